@@ -1,0 +1,95 @@
+"""What the engine hands back: per-request deltas and the collector that merges them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+# One entry per generated token: {token_id: logprob} holding the sampled token and the top-N.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one of ``n`` choices) of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state or, when streaming, the delta since the last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, newer: RequestOutput) -> None:
+        """Fold a later delta into this one (text and ids concatenated, logprobs extended)."""
+        mine = {o.index: o for o in self.outputs}
+        for out in newer.outputs:
+            old = mine.get(out.index)
+            if old is None:
+                self.outputs.append(out)
+                mine[out.index] = out
+                continue
+            old.text += out.text
+            old.token_ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + out.logprobs
+            old.finish_reason = out.finish_reason or old.finish_reason
+            old.stop_reason = out.stop_reason if out.stop_reason is not None else old.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = self.finished or newer.finished
+        self.error = newer.error or self.error
+        self.num_cached_tokens = max(self.num_cached_tokens, newer.num_cached_tokens)
+        self.metrics.update(newer.metrics)
+
+
+class RequestOutputCollector:
+    """A one-slot mailbox between the engine and one request's consumer.
+
+    The engine ``put``s deltas from the event loop; if the consumer has not taken the pending
+    one yet, the new delta is merged into it, so a slow client never grows a queue.
+    Consumers read with ``collector.get_nowait() or await collector.get()``.
+    """
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self._output is None or isinstance(output, BaseException):
+            self._output = output
+        elif isinstance(self._output, RequestOutput):
+            self._output.merge(output)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self._output is None:
+            await self._ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return self._take() if self._output is not None else None
+
+    def _take(self) -> RequestOutput:
+        output, self._output = self._output, None
+        self._ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output

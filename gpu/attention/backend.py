@@ -1,0 +1,22 @@
+"""The attention backend interface: how a layer writes its K/V and attends over the cache."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from gpu.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal paged attention. ``query`` is ``[num_tokens, num_heads, head_dim]``
+        (``num_heads`` a multiple of ``num_kv_heads``); returns the same shape."""

@@ -1,0 +1,38 @@
+"""Per-step attention metadata shared by every attention backend.
+
+Tokens of all requests in a step are flattened into one batch (no padding between requests).
+Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are the last
+tokens of its context, whose total length after this step is ``seq_lens[i]``. Its keys and values
+live in the paged cache at the blocks listed in ``block_table[i]``.
+
+KV cache layout per layer: ``key_cache`` and ``value_cache`` are each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token at position ``p`` of request ``i``
+lives at slot ``block_table[i, p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int  # tokens to attend for; rows past this are padding
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on the device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the device
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 marks a padded slot to skip
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies, so no backend needs a device sync
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

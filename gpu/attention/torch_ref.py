@@ -1,0 +1,99 @@
+"""Reference paged attention in plain torch: the CPU default and the kernels' yardstick.
+
+Decode rows (one query token) of a step are attended in one batched call over their gathered
+context; prefill chunks, which may sit on top of prefix-cached blocks or earlier chunks, are
+attended one request at a time with a causal mask offset by the cached length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid] if not bool(valid.all()) else slot_mapping
+        flat_k = key_cache.view(-1, *key_cache.shape[2:])
+        flat_v = value_cache.view(-1, *value_cache.shape[2:])
+        flat_k.index_copy_(0, slots, key[:n][valid].to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, value[:n][valid].to(flat_v.dtype))
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.zeros_like(query)
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decode_rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        if decode_rows:
+            self._decode(query, key_cache, value_cache, meta, scale, decode_rows, out)
+        for i in range(meta.num_reqs):
+            if qsl[i + 1] - qsl[i] > 1:
+                start, end = qsl[i], qsl[i + 1]
+                k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
+                out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start))
+        return out
+
+    @staticmethod
+    def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, rows: list[int],
+                out: torch.Tensor) -> None:
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        tokens = torch.tensor([qsl[i] for i in rows], device=query.device)
+        ctx = torch.tensor([lens[i] for i in rows], device=query.device)
+        block_size = key_cache.shape[1]
+        num_blocks = -(-max(lens[i] for i in rows) // block_size)
+        table = meta.block_table[rows, :num_blocks].long()
+        b, kvh, dim = len(rows), key_cache.shape[2], key_cache.shape[3]
+        k = key_cache[table].view(b, -1, kvh, dim).transpose(1, 2)  # [B, KVH, S, D]
+        v = value_cache[table].view(b, -1, kvh, dim).transpose(1, 2)
+        q = query[tokens].view(b, kvh, -1, dim)  # [B, KVH, G, D]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, KVH, G, S]
+        pos = torch.arange(k.shape[2], device=query.device)
+        scores.masked_fill_((pos[None, :] >= ctx[:, None])[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[tokens] = torch.matmul(probs, v.float()).view(b, -1, dim).to(out.dtype)
+
+
+def _gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one request."""
+    block_size = key_cache.shape[1]
+    blocks = block_row[: -(-seq_len // block_size)].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            num_cached: int) -> torch.Tensor:
+    """Causal attention of ``q`` ``[L, H, D]`` (the last L positions) over ``k``/``v``."""
+    length, heads, dim = q.shape
+    kvh = k.shape[1]
+    qg = q.view(length, kvh, heads // kvh, dim).permute(1, 2, 0, 3).float()  # [KVH, G, L, D]
+    kt = k.permute(1, 2, 0).float()[:, None]  # [KVH, 1, D, S]
+    scores = torch.matmul(qg, kt) * scale  # [KVH, G, L, S]
+    q_pos = torch.arange(length, device=q.device)[:, None] + num_cached
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(1, 0, 2).float()[:, None])  # [KVH, G, L, D]
+    return out.permute(2, 0, 1, 3).reshape(length, heads, dim).to(q.dtype)
+
+
+def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """Per-request loop, no batching tricks: the simplest statement of the maths, for tests."""
+    out = torch.zeros_like(query)
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    for i in range(meta.num_reqs):
+        start, end = qsl[i], qsl[i + 1]
+        k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
+        out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start))
+    return out
