@@ -54,6 +54,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
+    num_output_placeholders: int = 0  # tokens sampled by steps still in flight (async)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None

@@ -1,0 +1,53 @@
+"""Shared bits of the benchmarks: the benchmark model, prompts, and writing results."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from gpu.random_model import build_model_dir
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# ~30M parameters: hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 8192
+BENCH_LLAMA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                   tie_word_embeddings=False)
+
+
+def bench_model_dir(path: str | Path, vocab_size: int = 8192) -> Path:
+    """The random ~30M-parameter Llama the benchmarks run on (built once, then reused)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        build_model_dir(path, "llama", seed=0, vocab_size=vocab_size, **BENCH_LLAMA)
+    return path
+
+
+def random_prompts(num: int, min_len: int, max_len: int, vocab: int,
+                   seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num)]
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    else:
+        info["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return info
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": machine(), **result}
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

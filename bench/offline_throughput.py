@@ -1,0 +1,90 @@
+"""Offline throughput: the same prompts through ``LLM.generate`` and through HF ``generate``.
+
+HF runs padded static batches (left padding); both produce exactly ``--output-len`` tokens per
+prompt (EOS ignored). Prints and writes ``bench/results/offline_throughput.json``.
+
+    python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.common import bench_model_dir, random_prompts, write_result
+from core import LLM, SamplingParams
+
+
+def run_ours(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
+             max_num_batched_tokens: int) -> dict:
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    llm.engine.profiler.reset()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prof = llm.engine.profiler
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+            "steps": prof.num_steps, "step_ms": prof.breakdown(),
+            "overhead_share": prof.overhead_share()}
+
+
+@torch.inference_mode()
+def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+
+    def batch_generate(batch: list[list[int]]) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                          do_sample=False)
+        return (out.shape[1] - width) * len(batch)
+
+    batch_generate(prompts[:4])  # warm-up
+    start = time.perf_counter()
+    tokens = sum(batch_generate(prompts[i:i + batch_size])
+                 for i in range(0, len(prompts), batch_size))
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+            "batch_size": batch_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="HF model dir (default: a random ~30M Llama)")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    args = ap.parse_args()
+
+    model = args.model or str(bench_model_dir(tempfile.gettempdir() + "/tidal-bench-llama"))
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=8000)
+    ours = run_ours(model, prompts, args.output_len, args.max_num_seqs,
+                    args.max_num_batched_tokens)
+    print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
+          f"overhead {100 * ours['overhead_share']:.1f}% of step time")
+    hf = run_hf(model, prompts, args.output_len, args.hf_batch_size)
+    print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
+    ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
+    print(f"ratio tidal / HF: {ratio:.2f}x")
+    path = write_result("offline_throughput", {
+        "workload": vars(args) | {"model": model}, "tidal": ours, "hf_generate": hf,
+        "ratio_output_tok_per_s": ratio})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Engine configuration: what to load and how big the batch and the KV cache may be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+
+
+@dataclass
+class EngineConfig:
+    model: str  # a Hugging Face model directory
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16", ...
+    device: str = "cpu"  # "cpu" or "cuda"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+    async_scheduling: bool | None = None  # schedule step N+1 while N runs; None: on GPU only
+    attention_backend: str = "auto"  # "auto", "torch" or "triton"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device != "cpu"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive byte count, "
+                             f"got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

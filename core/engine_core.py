@@ -1,0 +1,173 @@
+"""The engine loop's body: intake, one schedule -> execute -> update step, and stats.
+
+``EngineCore`` is synchronous and single-threaded; ``AsyncEngine`` runs it on its own thread
+and the offline ``LLM`` calls it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transformers import AutoTokenizer
+
+from core.config import EngineConfig
+from core.kv_cache_manager import KVCacheManager
+from core.output_processor import OutputProcessor, ParentRequest
+from core.outputs import RequestOutput
+from core.request import Request, RequestStatus
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler, SchedulerConfig
+from core.step_profiler import StepProfiler
+
+if TYPE_CHECKING:
+    from gpu.model_runner import StepHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from gpu.worker import create_model_runner  # the one door into device code
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.runner = create_model_runner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            async_scheduling=bool(config.async_scheduling)), self.kv)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.profiler = StepProfiler()
+        self.runner.profiler = self.profiler
+        self._finished_elsewhere: list[Request] = []
+        self._in_flight = None  # the launched step whose tokens are not processed yet
+        self._penalised: set[str] = set()  # requests whose sampling needs every past token
+        tokens = num_blocks * config.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); %.1f requests of the full "
+                    "%d-token context fit", num_blocks, config.block_size, tokens,
+                    tokens / self.max_model_len, self.max_model_len)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = list(self.runner.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.insert(0, self.tokenizer.eos_token_id)
+        return ids
+
+    # -- intake -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, prompt: str | None = None) -> None:
+        """Queue a request. Raises ``ValueError`` on a duplicate id or token ids outside the
+        vocabulary; a request too long for the context or the KV cache is finished with an
+        error on the next step."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        children = [self._child(request_id, i, list(prompt_token_ids), params)
+                    for i in range(params.n)]
+        parent = ParentRequest(request_id, prompt, list(prompt_token_ids),
+                               {c.request_id: i for i, c in enumerate(children)})
+        self.output_processor.add(parent, children)
+        for child in children:
+            if self.scheduler.add_request(child) is not None:
+                self._finished_elsewhere.append(child)
+            elif _needs_all_tokens(child.sampling_params):
+                self._penalised.add(child.request_id)
+
+    def _child(self, request_id: str, index: int, prompt_token_ids: list[int],
+               params: SamplingParams) -> Request:
+        changes: dict = {"n": 1}
+        if params.max_tokens is None:
+            changes["max_tokens"] = max(1, self.max_model_len - len(prompt_token_ids))
+        if params.seed is not None:
+            changes["seed"] = params.seed + index
+        extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            changes["stop_token_ids"] = params.stop_token_ids + extra_eos
+        child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        return Request(child_id, prompt_token_ids, params.clone(**changes), eos_token_id=eos)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        child_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
+        self._finished_elsewhere += self.scheduler.finish_requests(
+            child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return (self.scheduler.has_unfinished_requests() or bool(self._finished_elsewhere)
+                or self._in_flight is not None)
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the delta of every request that progressed or finished.
+
+        With async scheduling, this step is launched before the previous one's tokens are
+        processed, so the device computes while the host does the previous step's
+        bookkeeping; a request whose sampling needs every past token (penalties) makes the
+        step synchronous.
+        """
+        prof = self.profiler
+        prof.start()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._penalised & self.scheduler.requests.keys():
+            outputs = self._process(self._in_flight)
+            self._in_flight = None
+        sched = self.scheduler.schedule()
+        prof.lap("schedule")
+        handle = self.runner.execute_model_async(sched)  # laps its own phases
+        prof.num_tokens += sched.total_num_scheduled_tokens
+        if self.config.async_scheduling:
+            previous, self._in_flight = self._in_flight, handle
+            return outputs + self._process(previous)
+        return self._process(handle)
+
+    def _process(self, handle: StepHandle | None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens: stop checks, detokenization, deltas."""
+        updates = self.scheduler.update_from_output(handle.result()) if handle else []
+        self.profiler.lap("update")
+        finished, self._finished_elsewhere = self._finished_elsewhere, []
+        outputs = self.output_processor.process(updates, finished, self._stop)
+        if self._penalised:
+            self._penalised &= self.scheduler.requests.keys()
+        self.profiler.lap("detokenize")
+        return outputs
+
+    def _stop(self, request: Request, status: RequestStatus, reason: str | None) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.finish_requests([request.request_id], status, reason)
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage(), prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits, num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks)
+
+
+def _needs_all_tokens(params: SamplingParams) -> bool:
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0)

@@ -1,0 +1,101 @@
+"""Per-request KV block bookkeeping on top of the block pool: prefix hits and allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks, capped so at least one token is left to
+        compute (the step must produce logits for the next token)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None,
+                       num_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Reserve blocks for ``num_new_tokens`` more tokens (after any prefix hit).
+
+        Returns the newly allocated blocks, or ``None`` (nothing changed) when too few are
+        free.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        num_new = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new > self.pool.num_free_blocks - idle_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first so its last blocks are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int) -> None:
+        self._update_block_hashes(request)
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, end)

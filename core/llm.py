@@ -1,0 +1,91 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from core.config import EngineConfig
+from core.engine_core import EngineCore
+from core.outputs import RequestOutput
+from core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation over the same engine the server uses, without threads or HTTP."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        if model is None:
+            from core import DEFAULT_MODEL
+
+            model = DEFAULT_MODEL
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))  # type: ignore[arg-type]
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in input order. A prompt is a string or a list
+        of token ids; ``params`` is one for all prompts or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_per_prompt(params, len(prompts))
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+        results = self._run(ids, use_tqdm)
+        return [results[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, params, use_tqdm)
+
+    def _params_per_prompt(self, params: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        request_id = str(self._next_id)
+        self._next_id += 1
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.engine.add_request(request_id, token_ids, params, prompt=text)
+        return request_id
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start, num_tokens = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                num_tokens += sum(len(o.token_ids) for o in delta.outputs)
+                if delta.request_id in results:
+                    results[delta.request_id].merge(delta)
+                else:
+                    results[delta.request_id] = delta
+                if delta.finished:
+                    bar.update(1)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix_str(f"{num_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
+        bar.close()
+        return results

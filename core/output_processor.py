@@ -1,0 +1,120 @@
+"""Turns the scheduler's per-request updates into ``RequestOutput`` deltas: incremental
+detokenization, stop strings, and the merging of ``n`` sibling sequences into one output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from core.detokenizer import DetokenizationError, IncrementalDetokenizer
+from core.outputs import CompletionOutput, RequestOutput
+from core.request import Request, RequestStatus
+from core.scheduler import RequestUpdate
+
+StopFn = Callable[[Request, RequestStatus, "str | None"], None]
+
+
+@dataclass
+class ParentRequest:
+    """A user request: ``n`` sibling sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, int]  # child request id -> choice index
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_finished: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+
+@dataclass
+class ChildState:
+    parent: ParentRequest
+    index: int
+    detokenizer: IncrementalDetokenizer
+    wants_logprobs: bool
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def add(self, parent: ParentRequest, children: list[Request]) -> None:
+        self.parents[parent.request_id] = parent
+        for child in children:
+            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
+                                           child.sampling_params)
+            self.children[child.request_id] = ChildState(
+                parent, parent.children[child.request_id], detok,
+                child.sampling_params.logprobs is not None)
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return list(parent.children) if parent else []
+
+    def process(self, updates: list[RequestUpdate], finished_elsewhere: list[Request],
+                stop: StopFn) -> list[RequestOutput]:
+        """Build the step's deltas. ``stop`` finishes a request whose text hit a stop string
+        or could not be detokenized."""
+        by_parent: dict[str, RequestOutput] = {}
+        for update in updates:
+            child = self.children.get(update.request.request_id)
+            if child is not None:
+                completion = self._completion(update, child, stop)
+                self._add_to(by_parent, child.parent, update.request, completion)
+        for request in finished_elsewhere:
+            child = self.children.get(request.request_id)
+            if child is not None:
+                completion = CompletionOutput(index=child.index)
+                self._finish_child(request, completion)
+                self._add_to(by_parent, child.parent, request, completion)
+        return list(by_parent.values())
+
+    def _completion(self, update: RequestUpdate, child: ChildState,
+                    stop: StopFn) -> CompletionOutput:
+        request = update.request
+        completion = CompletionOutput(index=child.index, token_ids=list(update.new_token_ids))
+        if child.wants_logprobs:
+            completion.logprobs = list(update.new_logprobs or [])
+        try:
+            stop_str = child.detokenizer.update(update.new_token_ids, update.finished)
+        except DetokenizationError as exc:
+            request.error = str(exc)
+            stop(request, RequestStatus.FINISHED_ERROR, None)
+            stop_str = None
+        if stop_str is not None:
+            stop(request, RequestStatus.FINISHED_STOPPED, stop_str)
+            request.stop_reason = stop_str
+        completion.text = child.detokenizer.get_delta()
+        if request.is_finished:
+            self._finish_child(request, completion)
+        return completion
+
+    def _finish_child(self, request: Request, completion: CompletionOutput) -> None:
+        completion.finish_reason = request.finish_reason
+        completion.stop_reason = request.stop_reason
+        child = self.children.pop(request.request_id)
+        child.parent.num_finished += 1
+
+    def _add_to(self, by_parent: dict[str, RequestOutput], parent: ParentRequest,
+                request: Request, completion: CompletionOutput) -> None:
+        out = by_parent.get(parent.request_id)
+        if out is None:
+            now = time.monotonic()
+            if parent.first_token_time is None and completion.token_ids:
+                parent.first_token_time = now
+            parent.num_cached_tokens = max(parent.num_cached_tokens,
+                                           max(request.num_cached_tokens, 0))
+            out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
+                                num_cached_tokens=parent.num_cached_tokens)
+            by_parent[parent.request_id] = out
+        out.outputs.append(completion)
+        if request.error:
+            out.error = request.error
+        if parent.num_finished == len(parent.children):
+            out.finished = True
+            del self.parents[parent.request_id]

@@ -1,0 +1,241 @@
+"""Continuous batching in vLLM V1's style: one token budget per step, shared by decodes and
+(chunked) prefills; running requests first, then waiting ones; preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from core.kv_cache_manager import KVCacheManager
+from core.outputs import TokenLogprobs
+from core.request import Request, RequestStatus
+from core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    async_scheduling: bool = False
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: tokens appended, and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
+
+    # -- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> str | None:
+        """Queue a request; returns an error message instead if it can never run."""
+        error = self._never_fits(request)
+        if error:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            return error
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def _never_fits(self, request: Request) -> str | None:
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if request.num_prompt_tokens >= max_len:
+            return (f"the prompt has {request.num_prompt_tokens} tokens but the model's context "
+                    f"is {max_len} tokens, leaving no room to generate")
+        max_tokens = request.sampling_params.max_tokens or max_len
+        longest = min(request.num_prompt_tokens + max_tokens, max_len)
+        if self.kv.blocks_needed(longest) > self.kv.num_blocks:
+            return (f"the request may need {longest} tokens of KV cache but the whole cache "
+                    f"holds {self.kv.num_blocks * self.kv.block_size}")
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Finish (abort, stop, error) requests from outside a step; frees their blocks."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            self._dequeue(request)
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(self._num_new_tokens(request), budget)
+            if n <= 0:  # its last token is already being sampled by the step in flight
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, preempted)
+            if new_blocks is None:
+                break  # the request itself was preempted
+            cached.append(CachedRequestData(request.request_id,
+                                            [b.block_id for b in new_blocks],
+                                            request.num_computed_tokens))
+            num_scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new)
+
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (self.config.async_scheduling and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1
+        output = SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self._finished_ids = set()
+        return output
+
+    def _num_new_tokens(self, request: Request) -> int:
+        pending = request.num_output_placeholders
+        if pending:
+            params = request.sampling_params
+            expected = request.num_output_tokens + pending
+            if ((params.max_tokens is not None and expected >= params.max_tokens)
+                    or request.num_tokens + pending >= self.config.max_model_len):
+                return 0  # the step in flight samples its last token
+        return request.num_tokens + pending - request.num_computed_tokens
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]):
+        while True:
+            new_blocks = self.kv.allocate_slots(request, n)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()  # the latest arrival among the running
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       new: list[NewRequestData]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while a step was in flight: resume once its token is in
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(request, n, hits, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            new.append(NewRequestData(
+                req_id=request.request_id, token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.block_ids(request.request_id),
+                num_computed_tokens=num_hit, seed=request.sampling_params.seed))
+            num_scheduled[request.request_id] = n
+            budget -= n
+        return budget
+
+    # -- after the forward --------------------------------------------------------------
+    def update_from_output(self, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = []
+        for i, req_id in enumerate(output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            token_ids = output.sampled_token_ids[i]
+            logprobs = output.logprobs[i] if output.logprobs is not None else None
+            appended = []
+            for token_id in token_ids:
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
+                request.append_output_token(token_id)
+                appended.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    self._dequeue(request)
+                    self._finish(request, status)
+                    break
+            if logprobs is not None:
+                logprobs = logprobs[:len(appended)]
+            updates.append(RequestUpdate(request, appended, logprobs, request.is_finished))
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _dequeue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]

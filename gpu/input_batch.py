@@ -1,0 +1,76 @@
+"""The model runner's persistent batch: per-request token ids and block tables kept in
+preallocated host arrays, updated from the scheduler's diffs rather than rebuilt each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from core.sampling_params import SamplingParams
+from core.scheduler_output import CachedRequestData, NewRequestData
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    num_prompt_tokens: int
+    num_tokens: int  # known tokens: prompt + sampled so far
+    num_computed_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    num_blocks: int
+    num_pending: int = 0  # sampled by a step whose result has not reached the host yet
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 device: str) -> None:
+        self.device = device
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.states: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def add(self, new: NewRequestData) -> None:
+        self.remove(new.req_id)  # a resumed request comes back in full
+        row = self._free_rows.pop()
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        generator = None
+        if new.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.seed)
+        self.states[new.req_id] = CachedRequestState(
+            req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens, num_tokens=n,
+            num_computed_tokens=new.num_computed_tokens, params=new.sampling_params,
+            generator=generator, num_blocks=len(new.block_ids),
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]))
+
+    def update(self, cached: CachedRequestData) -> None:
+        state = self.states[cached.req_id]
+        k = len(cached.new_block_ids)
+        if k:
+            self.block_table[state.row, state.num_blocks:state.num_blocks + k] = \
+                cached.new_block_ids
+            state.num_blocks += k
+        state.num_computed_tokens = cached.num_computed_tokens
+
+    def remove(self, req_id: str) -> None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_token(self, state: CachedRequestState, token_id: int) -> None:
+        if self.states.get(state.req_id) is not state:
+            return  # finished or preempted while its step ran
+        self.token_ids[state.row, state.num_tokens] = token_id
+        state.num_tokens += 1
+        state.output_token_ids.append(token_id)
+
+    def prompt_token_ids(self, state: CachedRequestState) -> np.ndarray:
+        return self.token_ids[state.row, :state.num_prompt_tokens]

@@ -1,0 +1,84 @@
+"""The architecture facts our model code needs, read from a HF ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# architecture name in config.json -> (qkv bias, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
+                             f"{path} does not exist")
+        raw = json.loads(path.read_text())
+        arch = (raw.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: "
+                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        heads = raw["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_scaling=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
+            qk_norm=qk_norm,
+            eos_token_ids=_eos_ids(model_dir, raw),
+        )
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+
+def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
+    """End-of-sequence ids from config.json and generation_config.json, in that order."""
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    for value in (raw.get("eos_token_id"), gen.get("eos_token_id")):
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

@@ -1,0 +1,103 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into our model code."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu.attention import AttentionBackend
+from gpu.model_config import ModelConfig
+from gpu.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# HF parameter name suffix -> (our fused parameter, shard index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
+               max_positions: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
+    _load_weights(model, cfg, Path(model_dir))
+    model.eval()
+    return model
+
+
+def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in _iter_safetensors(model_dir):
+        target, shard = _map_name(name)
+        if target is None or target not in params:
+            if not name.endswith("rotary_emb.inv_freq"):
+                logger.debug("skipping weight %s", name)
+            continue
+        param = params[target]
+        with torch.no_grad():
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                _fused_slice(param, target, shard, cfg).copy_(tensor)
+        loaded.add(target)
+    if cfg.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+
+def _map_name(name: str) -> tuple[str | None, int | None]:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+    return name, None
+
+
+def _fused_slice(param: torch.Tensor, target: str, shard: int,
+                 cfg: ModelConfig) -> torch.Tensor:
+    if "qkv_proj" in target:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [cfg.intermediate_size] * 2
+    start = sum(sizes[:shard])
+    return param.narrow(0, start, sizes[shard])
+
+
+def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,256 @@
+"""Runs one scheduled step on the model: builds flattened inputs from the persistent batch,
+calls the model over the paged KV cache, and samples where a next token is due."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from core.outputs import TokenLogprobs
+from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from core.step_profiler import StepProfiler
+from gpu.attention import AttentionMetadata, get_attention_backend
+from gpu.input_batch import CachedRequestState, InputBatch
+from gpu.model_config import ModelConfig
+from gpu.model_loader import load_model, resolve_dtype
+from gpu.sampler import Sampler, SamplerOutput
+from gpu.sampling_metadata import build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_states: list[CachedRequestState]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.device
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.model = load_model(config.model, model_config, self.backend, max_model_len,
+                                self.dtype, config.device)
+        self.sampler = Sampler()
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
+                                config.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.profiler = StepProfiler()
+        self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
+        self._last_index: dict[str, int] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_config.eos_token_ids
+
+    # -- KV cache -----------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        per_block = self.block_size * self.model_config.kv_bytes_per_token(
+            self.dtype.itemsize)
+        if self.device == "cpu":
+            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        else:
+            budget = self._free_gpu_memory_for_kv()
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
+                             f"{per_block} bytes; raise kv_cache_memory")
+        return int(num_blocks)
+
+    def _free_gpu_memory_for_kv(self) -> int:
+        if self.config.kv_cache_memory:
+            return self.config.kv_cache_memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        return max(0, int(total * self.config.gpu_memory_utilization) - used - peak_extra)
+
+    def profile_run(self) -> None:
+        """A forward at the largest token batch, to measure peak activation memory."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.allocate_kv_cache(-(-n // self.block_size))
+        cu, lens = [0, n], [n]
+        num_blocks = -(-n // self.block_size)
+        meta = AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_table=torch.arange(num_blocks, dtype=torch.int32,
+                                     device=self.device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=cu, seq_lens_cpu=lens)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
+            self.model.compute_logits(hidden[: self.config.max_num_seqs]).float()
+        self.kv_caches = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    # -- one step -----------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch a step. The sampled ids stay on the device (the next step reads them from
+        there); the returned handle brings them to the host when asked."""
+        prof = self.profiler
+        self._update_states(sched)
+        if sched.is_empty:
+            return StepHandle(self.batch, [], None)
+        inputs = self._prepare_inputs(sched)
+        prof.lap("prepare_inputs")
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampling_states:
+            prof.lap("forward")
+            return StepHandle(self.batch, [], None)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        prof.lap("forward")
+        meta = build_sampling_metadata(self.batch, inputs.sampling_states,
+                                       self.model_config.vocab_size, logits.device)
+        sampled = self.sampler(logits, meta)
+        self._last_sampled = sampled.sampled_token_ids
+        self._last_index = {s.req_id: i for i, s in enumerate(inputs.sampling_states)}
+        for state in inputs.sampling_states:
+            state.num_pending += 1
+        prof.lap("sample")
+        return StepHandle(self.batch, inputs.sampling_states, sampled)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.batch.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            self.batch.add(new)
+        for cached in sched.scheduled_cached_reqs:
+            self.batch.update(cached)
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        states = [self.batch.states[r] for r in sched.num_scheduled_tokens]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                               count=len(states))
+        num_new = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64,
+                              count=len(states))
+        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        req_of_token = np.repeat(np.arange(len(states)), num_new)
+        positions = computed[req_of_token] + np.arange(cu[-1]) - cu[req_of_token]
+        token_rows = rows[req_of_token]
+        input_ids = self.batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
+                 + positions % bs)
+        seq_lens = computed + num_new
+        max_seq = int(seq_lens.max())
+        block_table = self.batch.block_table[rows, : -(-max_seq // bs)]
+
+        known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        pending = np.fromiter((s.num_pending for s in states), dtype=np.int64,
+                              count=len(states))
+        sampling = np.nonzero(seq_lens >= known + pending)[0]
+        logits_indices = cu[1:][sampling] - 1
+        dev = self.device
+        input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        unknown = np.nonzero(positions >= known[req_of_token])[0]
+        if unknown.size:  # sampled by the step in flight: still on the device
+            src = [self._last_index[states[r].req_id] for r in req_of_token[unknown]]
+            input_ids_dev[torch.from_numpy(unknown).to(dev)] = self._last_sampled[
+                torch.tensor(src, device=dev)]
+        meta = AttentionMetadata(
+            num_actual_tokens=int(cu[-1]),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(num_new.max()),
+            max_seq_len=max_seq,
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=input_ids_dev,
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            sampling_states=[states[i] for i in sampling],
+        )
+
+
+class StepHandle:
+    """A launched step's sampled tokens, copied to (pinned) host memory without blocking;
+    ``result()`` waits on the copy's event, never on the whole device."""
+
+    def __init__(self, batch: InputBatch, states: list[CachedRequestState],
+                 sampled: SamplerOutput | None) -> None:
+        self.batch, self.states, self.sampled = batch, states, sampled
+        self._event = None
+        if sampled is None:
+            return
+        ids = sampled.sampled_token_ids
+        if ids.is_cuda:
+            self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host_ids.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host_ids = ids
+
+    def result(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput.empty()
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host_ids.tolist()
+        for state, token_id in zip(self.states, token_ids):
+            state.num_pending -= 1
+            self.batch.append_token(state, token_id)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in self.states],
+            sampled_token_ids=[[t] for t in token_ids],
+            logprobs=_logprobs_lists(self.states, self.sampled),
+        )
+
+
+def _logprobs_lists(states: list[CachedRequestState],
+                    sampled: SamplerOutput) -> list[list[TokenLogprobs]] | None:
+    if sampled.logprobs is None or sampled.logprob_token_ids is None:
+        return None
+    ids = sampled.logprob_token_ids.tolist()
+    values = sampled.logprobs.tolist()
+    out: list[list[TokenLogprobs]] = []
+    for state, row_ids, row_values in zip(states, ids, values):
+        n = state.params.logprobs
+        if n is None:
+            out.append([{}])
+            continue
+        out.append([dict(zip(row_ids[: n + 1], row_values[: n + 1]))])
+    return out

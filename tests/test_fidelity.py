@@ -1,0 +1,164 @@
+"""Our greedy tokens and logprobs equal HF transformers' on the same weights, whatever the
+batching, chunking, prefix caching or preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core import LLM, SamplingParams
+from gpu.random_model import build_model_dir
+
+NEW_TOKENS = 32
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+MODELS = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "mistral": ("mistral", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head dim 16, float32
+
+
+def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """Eight prompts of 1 to 200 tokens (plus an optional prefix they all share)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(6, 400) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(6, 400) for _ in range(n)]
+            for n in (1, 5, 17, 33, 64, 100, 150, 200)]
+
+
+_BUILT: dict[str, tuple[str, AutoModelForCausalLM]] = {}
+
+
+def _model(name: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
+    """A model directory and its HF twin, built once per test session."""
+    if name not in _BUILT:
+        arch, overrides = MODELS[name]
+        path = build_model_dir(tmp_path_factory.mktemp(name), arch, **overrides)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
+        hf.reference_cache = {}
+        _BUILT[name] = (str(path), hf)
+    return _BUILT[name]
+
+
+@pytest.fixture(params=list(MODELS))
+def model(request, tmp_path_factory):
+    return _model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def core_model(request, tmp_path_factory):
+    """The architectures the slower conditions run on."""
+    return _model(request.param, tmp_path_factory)
+
+
+def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    key = tuple(prompt)
+    if key not in hf.reference_cache:
+        hf.reference_cache[key] = _run_hf(hf, prompt)
+    return hf.reference_cache[key]
+
+
+def _run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                      output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0)
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    return out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+def _check_against_hf(hf, llm: LLM, prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    for prompt, out in zip(prompts, outputs):
+        ref_ids, ref_logprobs = _hf_greedy(hf, prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_ids, f"prompt of {len(prompt)} tokens diverged"
+        assert completion.finish_reason == "length"
+        for step, token_id in enumerate(ref_ids):
+            top = torch.topk(ref_logprobs[step], 3)
+            got = completion.logprobs[step]
+            assert got[token_id] == pytest.approx(ref_logprobs[step, token_id].item(), abs=1e-4)
+            for ref_id, ref_value in zip(top.indices.tolist(), top.values.tolist()):
+                assert got[ref_id] == pytest.approx(ref_value, abs=1e-4)
+
+
+def test_matches_hf_in_one_batch(model):
+    path, hf = model
+    _check_against_hf(hf, LLM(path), _prompts(0))
+
+
+def test_matches_hf_with_prefix_cache_hits(model):
+    path, hf = model
+    llm = LLM(path, enable_prefix_caching=True)
+    prompts = _prompts(1, shared_prefix=40)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm the cache
+    _check_against_hf(hf, llm, prompts)
+    assert llm.engine.stats().prefix_cache_hits >= len(prompts) * 32
+
+
+@pytest.mark.slow
+def test_matches_hf_under_chunked_prefill(core_model):
+    path, hf = core_model
+    _check_against_hf(hf, LLM(path, max_num_batched_tokens=24), _prompts(0))
+
+
+@pytest.mark.slow
+def test_matches_hf_under_preemption(core_model):
+    path, hf = core_model
+    llm = LLM(path, kv_cache_memory=20 * 16 * KV_BYTES_PER_TOKEN)
+    assert llm.engine.kv.num_blocks == 20
+    _check_against_hf(hf, llm, _prompts(0))
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.kv.pool.num_free_blocks == 20
+
+
+@pytest.mark.slow
+def test_matches_hf_with_two_seqs_at_a_time(core_model):
+    path, hf = core_model
+    _check_against_hf(hf, LLM(path, max_num_seqs=2), _prompts(0))
+
+
+@pytest.mark.slow
+def test_matches_hf_with_async_scheduling_under_preemption_and_chunking(core_model):
+    path, hf = core_model
+    llm = LLM(path, async_scheduling=True, max_num_batched_tokens=48,
+              kv_cache_memory=20 * 16 * KV_BYTES_PER_TOKEN)
+    _check_against_hf(hf, llm, _prompts(0))
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.kv.pool.num_free_blocks == 20
+
+
+def test_async_scheduling_survives_aborts_and_frees_blocks(tmp_path_factory):
+    path, _ = _model("llama", tmp_path_factory)
+    prompts = _prompts(5)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sync_out = LLM(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, async_scheduling=True, max_num_seqs=4)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    results: dict[str, list[int]] = {}
+    for step in range(1000):
+        if step == 6:
+            engine.abort_requests(["1", "6"])
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.request_id in ("1", "6"):
+                assert out.outputs[0].finish_reason in (None, "abort")
+        if not engine.has_unfinished_requests():
+            break
+    for i, expected in enumerate(sync_out):
+        if str(i) not in ("1", "6"):
+            assert results[str(i)] == expected.outputs[0].token_ids
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    assert not engine.runner.batch.states

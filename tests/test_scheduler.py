@@ -1,0 +1,150 @@
+"""The scheduler and block manager under random workloads, driven without a model."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.kv_cache_manager import KVCacheManager
+from core.request import Request, RequestStatus
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler, SchedulerConfig
+from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+def _fake_forward(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random,
+                  vocab: int) -> ModelRunnerOutput:
+    """Sample a random token for each request whose whole context is now computed."""
+    ids, tokens = [], []
+    for req_id in out.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        if request.num_computed_tokens >= request.num_tokens:
+            ids.append(req_id)
+            tokens.append([rng.randrange(vocab)])
+    return ModelRunnerOutput(ids, tokens)
+
+
+workload = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**16),
+    "num_requests": st.integers(1, 24),
+    "num_blocks": st.integers(8, 40),
+    "block_size": st.sampled_from([2, 4, 8]),
+    "budget": st.integers(1, 64),
+    "max_num_seqs": st.integers(1, 8),
+    "abort_rate": st.floats(0.0, 0.2),
+    "caching": st.booleans(),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(workload)
+def test_random_workload_finishes_everything_and_leaks_no_block(w):
+    rng = random.Random(w["seed"])
+    kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"])
+    config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64)
+    scheduler = Scheduler(config, kv)
+    prefix = [rng.randrange(50) for _ in range(12)]
+    requests = []
+    for i in range(w["num_requests"]):
+        prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(50)
+                                                           for _ in range(rng.randint(1, 40))]
+        params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=[7] if rng.random() < 0.3 else [])
+        requests.append(Request(str(i), prompt, params, eos_token_id=3))
+    pending = list(requests)
+    for _ in range(2000):
+        if pending and rng.random() < 0.5:
+            scheduler.add_request(pending.pop(0))
+        if scheduler.running and rng.random() < w["abort_rate"]:
+            scheduler.finish_requests([rng.choice(scheduler.running).request_id],
+                                      RequestStatus.FINISHED_ABORTED)
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= w["budget"]
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert len(scheduler.running) <= w["max_num_seqs"]
+        scheduler.update_from_output(_fake_forward(scheduler, out, rng, 50))
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+    assert not pending and not scheduler.has_unfinished_requests()
+    assert all(r.is_finished for r in requests)
+    for r in requests:
+        if r.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            assert r.num_output_tokens == r.sampling_params.max_tokens or r.num_tokens >= 64
+    assert kv.pool.num_free_blocks == kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not kv.req_blocks
+
+
+def _scheduler(num_blocks=16, block_size=4, budget=16, max_num_seqs=4, max_model_len=64):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+
+
+def test_long_prompt_is_chunked_while_decodes_continue():
+    s = _scheduler(num_blocks=32, budget=8)
+    s.add_request(Request("short", [1, 2], SamplingParams(max_tokens=10)))
+    out = s.schedule()
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
+    s.add_request(Request("long", list(range(10, 30)), SamplingParams(max_tokens=2)))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"short": 1, "long": 7}
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"short": 1, "long": 7}
+
+
+def _step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    done = [r for r in out.num_scheduled_tokens
+            if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
+    s.update_from_output(ModelRunnerOutput(done, [[1]] * len(done)))
+    return out
+
+
+def test_preemption_recomputes_the_latest_request_and_admits_nothing_that_step():
+    s = _scheduler(num_blocks=4, block_size=4, budget=32)
+    s.add_request(Request("a", list(range(7)), SamplingParams(max_tokens=8)))
+    s.add_request(Request("b", list(range(7)), SamplingParams(max_tokens=8)))
+    _step(s)  # prefill both: 2 blocks each, the pool is full
+    _step(s)  # the 8th token of each still fits
+    s.add_request(Request("c", [1], SamplingParams(max_tokens=1)))
+    out = _step(s)  # "a" needs a third block: "b", the latest, is preempted
+    assert out.preempted_req_ids == {"b"}
+    assert not out.scheduled_new_reqs  # no admission in a step that preempted
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and b.num_output_tokens == 2
+    while s.has_unfinished_requests():
+        _step(s)
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_request_that_can_never_fit_is_finished_with_an_error():
+    s = _scheduler(num_blocks=2, block_size=4, max_model_len=64)
+    too_long_for_cache = Request("a", list(range(5)), SamplingParams(max_tokens=20))
+    assert "KV cache" in s.add_request(too_long_for_cache)
+    assert too_long_for_cache.status == RequestStatus.FINISHED_ERROR
+    too_long_for_model = Request("b", list(range(64)), SamplingParams(max_tokens=1))
+    assert "context" in s.add_request(too_long_for_model)
+    assert not s.has_unfinished_requests()
+
+
+def test_stop_conditions():
+    s = _scheduler(num_blocks=32)
+    s.add_request(Request("eos", [1], SamplingParams(max_tokens=9), eos_token_id=3))
+    s.add_request(Request("min", [1], SamplingParams(max_tokens=9, min_tokens=2), eos_token_id=3))
+    s.add_request(Request("ign", [1], SamplingParams(max_tokens=2, ignore_eos=True),
+                          eos_token_id=3))
+    s.add_request(Request("stop", [1], SamplingParams(max_tokens=9, stop_token_ids=[8])))
+    s.schedule()
+    ups = s.update_from_output(ModelRunnerOutput(["eos", "min", "ign", "stop"],
+                                                 [[3], [3], [3], [8]]))
+    finished = {u.request.request_id: u.request for u in ups if u.finished}
+    assert set(finished) == {"eos", "stop"}
+    assert finished["stop"].stop_reason == 8 and finished["stop"].finish_reason == "stop"
+    s.schedule()
+    ups = s.update_from_output(ModelRunnerOutput(["min", "ign"], [[3], [3]]))
+    assert {u.request.request_id: u.request.finish_reason for u in ups} == {
+        "min": "stop", "ign": "length"}
