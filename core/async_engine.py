@@ -1,0 +1,182 @@
+"""The engine on its own thread, driven from an asyncio event loop.
+
+The event loop hands the engine thread new requests and aborts through one thread-safe queue,
+drained at the top of every step. After each step the thread posts all of that step's outputs
+back with ONE ``loop.call_soon_threadsafe`` call; each request's ``RequestOutputCollector``
+merges deltas its consumer has not taken yet. The thread never touches asyncio objects except
+through that call, and the event loop never touches scheduler state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from core.config import EngineConfig
+from core.engine_core import EngineCore, EngineStats
+from core.outputs import RequestOutput, RequestOutputCollector
+from core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """``generate()`` is an async iterator of ``RequestOutput`` deltas for one request.
+
+    Construct it (this loads the model), then ``start()`` it from the event loop that will
+    consume its outputs; ``shutdown()`` stops the thread and fails in-flight requests.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None
+                 ) -> None:
+        if core is None:
+            if config is None:
+                raise ValueError("AsyncEngine needs a config or an EngineCore")
+            core = EngineCore(config)
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self.stats: EngineStats = core.stats()  # a snapshot, replaced after every step
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._dead
+
+    # -- the asyncio side ---------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield deltas until the request finishes. Leaving the iteration early (the client
+        went away, the task was cancelled) aborts the request, which frees its KV blocks
+        within one engine step."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'not started'})")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        collector = RequestOutputCollector()
+        self._collectors[request_id] = collector
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt))
+        finished = False
+        try:
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if self._collectors.pop(request_id, None) is not None and not finished:
+                self.abort(request_id)
+
+    def abort(self, *request_ids: str) -> None:
+        self._inbox.put(_Abort(list(request_ids)))
+
+    def _post(self, step: tuple[list[RequestOutput | tuple[str, BaseException]], EngineStats]
+              ) -> None:
+        """Runs on the event loop: hand each delta to its request's collector."""
+        outputs, self.stats = step
+        for out in outputs:
+            if isinstance(out, tuple):
+                request_id, exc = out
+                collector = self._collectors.get(request_id)
+                if collector is not None:
+                    collector.put(exc)
+                continue
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for collector in self._collectors.values():
+            collector.put(exc)
+
+    # -- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                errors = self._drain(block=not self.core.has_unfinished_requests())
+                if errors is None:
+                    return
+                outputs: list = list(errors)
+                if self.core.has_unfinished_requests():
+                    outputs.extend(self.core.step())
+                self._call_loop(self._post, (outputs, self.core.stats()))
+        except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiter
+            logger.exception("the engine thread died")
+            self._dead = exc
+            self._call_loop(self._fail_all, EngineDeadError(f"the engine died: {exc!r}"))
+
+    def _drain(self, block: bool) -> list[tuple[str, BaseException]] | None:
+        """Apply queued adds and aborts; ``None`` means stop. Returns per-request errors."""
+        errors: list[tuple[str, BaseException]] = []
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return errors
+            block = False
+            if item is _STOP:
+                self._dead = EngineDeadError("the engine was shut down")
+                return None
+            if isinstance(item, _Abort):
+                self.core.abort_requests(item.request_ids)
+                continue
+            try:
+                self.core.add_request(item.request_id, item.prompt_token_ids, item.params,
+                                      prompt=item.prompt)
+            except ValueError as exc:
+                errors.append((item.request_id, exc))
+
+    def _call_loop(self, fn, arg) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, arg)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
