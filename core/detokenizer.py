@@ -1,25 +1,343 @@
-"""Detokenization of a request's output (whole-text decode; incremental version lands next)."""
+"""Incremental detokenization of one sequence's output, with stop strings.
+
+Each step turns a sequence's new token ids into the text that became final:
+
+- A token decoder turns ids into text, decoding only the last few ids per step: tokenizers'
+  ``DecodeStream`` where the tokenizer decodes through its ``tokenizers`` backend, prefix/read
+  offsets over the ids (vLLM's ``detokenize_incrementally``) for any other tokenizer. Both hold
+  back text that ends in an incomplete UTF-8 character until the ids that complete it arrive.
+- The decoder starts primed with the end of the prompt, so the first output tokens are spaced as
+  they are after the prompt: ``decode(prompt) + output_text == decode(prompt + output)``. For a
+  byte-level BPE that is also ``decode(output)``; a SentencePiece-style decoder would drop the
+  leading space of a first token decoded on its own.
+- A stop-string matcher finds stop strings however the text is split across tokens. Text that
+  could be the beginning of a stop string is held back, so a stop string is never handed out,
+  and the output is cut where the stop string begins (or ends, with
+  ``include_stop_str_in_output``). Finishing releases everything held back.
+"""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+from core.sampling_params import SamplingParams
+
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers older than 0.21: offsets only
+    Tokenizer = DecodeStream = None  # type: ignore[assignment, misc]
+
+REPLACEMENT_CHAR = "\ufffd"
+# Ids held back at most before their text is released as it stands. An incomplete character
+# needs at most 3 more byte tokens (a few more with skipped special tokens between them); the
+# cap bounds the work per step when a model emits a long run of invalid UTF-8.
+MAX_HELD_TOKENS = 32
+# The prompt tail the decoder is primed with: the shortest one of at least MIN tokens, at most
+# MAX, that decodes to whole characters (none: the output is decoded on its own).
+MIN_PROMPT_CONTEXT, MAX_PROMPT_CONTEXT = 4, 24
+# Decoded by the tokenizer and by its backend to tell whether the two agree (no clean-up of
+# spaces around punctuation on top of the backend, the same special tokens skipped).
+_PROBE_TEXT = "Hi , there . It 's fine , isn't it ? Yes ! 😀 你好"
+
+Decode = Callable[[list[int]], str]
+
 
 class DetokenizationError(ValueError):
-    pass
+    """A token id the tokenizer cannot decode (outside its vocabulary)."""
+
+
+class TokenDecoder(Protocol):
+    def step(self, token_id: int) -> str:
+        """The text that ``token_id`` completes ("" while it is held back)."""
+
+    def flush(self) -> str:
+        """The text of the ids held back, as they stand."""
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids, params) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.sent = 0
-        self.output_text = ""
+    """One sequence's output text, built as its tokens arrive.
 
-    def update(self, new_ids: list[int], finished: bool) -> str | None:
-        self.ids += new_ids
-        self.output_text = self.tok.decode(self.ids, skip_special_tokens=True)
+    ``update`` decodes the new tokens and looks for stop strings; ``get_delta`` hands out the
+    text that became final since its previous call; ``output_text`` is all text so far, the part
+    held back included. After a stop string or the finishing update, updates are ignored.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> None:
+        self._vocab_size = len(tokenizer)
+        self._decoder = make_token_decoder(tokenizer, list(prompt_token_ids),
+                                           params.skip_special_tokens)
+        self._stops = StopStringMatcher(params.stop) if params.stop else None
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
+        self._done = False
+        self._final: list[str] = []  # all final text
+        self._unsent: list[str] = []  # final text not handed out yet
+        self._held = ""  # text that may be the beginning of a stop string
+
+    @property
+    def output_text(self) -> str:
+        if len(self._final) > 1:
+            self._final[:] = ["".join(self._final)]
+        return (self._final[0] if self._final else "") + self._held
+
+    def update(self, new_token_ids: Sequence[int], finished: bool) -> str | None:
+        """Decode ``new_token_ids``; returns the stop string that matched, or None.
+
+        Raises ``DetokenizationError`` for an id outside the vocabulary, before decoding any.
+        """
+        if self._done:
+            return None
+        self._check_ids(new_token_ids)
+        text, stop_floor = self._decode(new_token_ids)
+        if finished:
+            text += self._decoder.flush()
+            self._done = True
+        match = self._stops.feed(text, stop_floor) if self._stops else None
+        if match is not None:
+            start, stop = match
+            cut = len(self._held) + start + (len(stop) if self._include_stop else 0)
+            self._release((self._held + text)[:cut], "")
+            self._done = True
+            return stop
+        if finished or self._stops is None or self._include_stop:
+            self._release(self._held + text, "")
+        else:
+            pending = self._held + text  # the matcher's tail is a suffix of it
+            keep = len(pending) - len(self._stops.tail)
+            self._release(pending[:keep], pending[keep:])
         return None
 
     def get_delta(self) -> str:
-        delta = self.output_text[self.sent:]
-        self.sent = len(self.output_text)
+        """The text that became final since the previous call."""
+        delta = "".join(self._unsent)
+        self._unsent.clear()
         return delta
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self._vocab_size:
+                raise DetokenizationError(f"token id {token_id} is outside the vocabulary "
+                                          f"[0, {self._vocab_size})")
+
+    def _decode(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """The new text, and how many of its characters come from tokens within
+        ``min_tokens``: a stop string must end after those (vLLM's rule)."""
+        step = self._decoder.step
+        before = self._num_tokens
+        self._num_tokens += len(token_ids)
+        if before >= self._min_tokens:
+            return "".join([step(t) for t in token_ids]), 0
+        split = self._min_tokens - before
+        head = "".join([step(t) for t in token_ids[:split]])
+        return head + "".join([step(t) for t in token_ids[split:]]), len(head)
+
+    def _release(self, final: str, held: str) -> None:
+        if final:
+            self._final.append(final)
+            self._unsent.append(final)
+        self._held = held
+
+
+class StopStringMatcher:
+    """Finds the first stop string to be completed in text that arrives piece by piece.
+
+    Of the text seen, only ``tail`` is kept: its longest suffix that is a proper prefix of a stop
+    string. A match that ends in a new piece starts inside ``tail`` or the piece, so each piece is
+    searched together with ``tail`` alone and the work per piece does not grow with the text.
+    The stop string completed first wins; of two completed by the same character, the longer.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(dict.fromkeys(stops))
+        self.tail = ""
+
+    def feed(self, piece: str, min_end: int = 0) -> tuple[int, str] | None:
+        """The first stop string that ends in ``piece`` after its first ``min_end`` characters,
+        as (start, stop string) with start relative to ``piece`` (negative when it began in
+        earlier text); None if there is none."""
+        window = self.tail + piece
+        lo = len(self.tail) + min_end  # a match must end after window[lo - 1]
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self.stops:
+            start = window.find(stop, max(0, lo - len(stop) + 1))
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        if best is not None:
+            return best[1] - len(self.tail), best[2]
+        self.tail = self._stop_prefix_suffix(window)
+        return None
+
+    def _stop_prefix_suffix(self, text: str) -> str:
+        """The longest suffix of ``text`` that is a proper prefix of a stop string."""
+        if not text:
+            return ""
+        last, best = text[-1], 0
+        for stop in self.stops:
+            # A prefix stop[:j + 1] can only be a suffix of text if stop[j] == text[-1].
+            j = stop.rfind(last, 0, min(len(stop) - 1, len(text)))
+            while j + 1 > best:
+                if text.endswith(stop[:j + 1]):
+                    best = j + 1
+                    break
+                j = stop.rfind(last, 0, j)
+        return text[len(text) - best:] if best else ""
+
+
+class OffsetDecoder:
+    """Incremental decoding by prefix/read offsets over the ids (vLLM's
+    ``detokenize_incrementally``); works with any tokenizer that has ``decode``.
+
+    ``ids`` runs from the prefix offset: the ids of the last text released, which give the next
+    ones their context, then the ids from the read offset on, whose text is not out yet. Each
+    step decodes ``ids`` and releases what it adds to the prefix's text, unless that ends in an
+    incomplete character.
+    """
+
+    def __init__(self, decode: Decode, context: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(context)
+        self._read = len(self._ids)
+        self._prefix_text = decode(self._ids)
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if _is_incomplete(text, self._prefix_text) and \
+                len(self._ids) - self._read < MAX_HELD_TOKENS:
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        if self._read == len(self._ids):
+            return ""
+        return self._advance(self._decode(self._ids))
+
+    def _advance(self, text: str) -> str:
+        delta = text[len(self._prefix_text):]
+        del self._ids[:self._read]
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+
+class StreamDecoder:
+    """Incremental decoding by tokenizers' ``DecodeStream``.
+
+    ``DecodeStream`` does not hand back the ids it holds, so they are mirrored here (``held``,
+    after ``context``: the ids of the last text released): ``flush`` decodes them as they stand,
+    and the stream restarts after them. Should the stream fail (it refuses a decoder that
+    rewrites earlier text), decoding goes on by offsets from the same point.
+    """
+
+    def __init__(self, backend: Tokenizer, decode: Decode, skip_special_tokens: bool,
+                 context: list[int]) -> None:
+        self._backend = backend
+        self._decode = decode
+        self._skip = skip_special_tokens
+        self._offsets: OffsetDecoder | None = None
+        self._restart(context)
+
+    def step(self, token_id: int) -> str:
+        if self._offsets is not None:
+            return self._offsets.step(token_id)
+        try:
+            text = self._stream.step(self._backend, token_id)
+        except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
+            self._offsets = OffsetDecoder(self._decode, self._context)
+            return "".join([self._offsets.step(t) for t in [*self._held, token_id]])
+        if text is None:
+            self._held.append(token_id)
+            return self.flush() if len(self._held) >= MAX_HELD_TOKENS else ""
+        self._held.append(token_id)
+        self._context, self._held = self._held, []
+        return text
+
+    def flush(self) -> str:
+        if self._offsets is not None:
+            return self._offsets.flush()
+        if not self._held:
+            return ""
+        prefix = self._decode(self._context)
+        text = self._decode(self._context + self._held)
+        self._restart(self._held)
+        return text[len(prefix):]
+
+    def _restart(self, context: list[int]) -> None:
+        self._stream = _new_stream(self._backend, context, self._skip)
+        self._context = context
+        self._held: list[int] = []
+
+
+def make_token_decoder(tokenizer: Any, prompt_token_ids: list[int],
+                       skip_special_tokens: bool) -> TokenDecoder:
+    """A ``StreamDecoder`` where ``DecodeStream`` decodes as the tokenizer does, else an
+    ``OffsetDecoder``; primed with the end of the prompt."""
+    backend = stream_backend(tokenizer)
+    if backend is not None:
+        decode = partial(backend.decode, skip_special_tokens=skip_special_tokens)
+        context = _prompt_context(decode, prompt_token_ids)
+        return StreamDecoder(backend, decode, skip_special_tokens, context)
+    decode = partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return OffsetDecoder(decode, _prompt_context(decode, prompt_token_ids))
+
+
+_UNKNOWN = object()
+_STREAM_BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stream_backend(tokenizer: Any) -> Tokenizer | None:
+    """The tokenizer's ``tokenizers`` backend if ``DecodeStream`` over it decodes as the
+    tokenizer's own ``decode`` does (checked once per tokenizer on a probe), else None."""
+    try:
+        known = _STREAM_BACKENDS.get(tokenizer, _UNKNOWN)
+    except TypeError:  # not weak-referenceable
+        known = _UNKNOWN
+    if known is not _UNKNOWN:
+        return known
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if DecodeStream is None or not isinstance(backend, Tokenizer):
+        result = None
+    else:
+        probe = backend.encode(_PROBE_TEXT, add_special_tokens=False).ids
+        probe += list(getattr(tokenizer, "all_special_ids", []))[:4]
+        agree = all(tokenizer.decode(probe, skip_special_tokens=skip)
+                    == backend.decode(probe, skip_special_tokens=skip) for skip in (True, False))
+        result = backend if agree else None
+    try:
+        _STREAM_BACKENDS[tokenizer] = result
+    except TypeError:
+        pass
+    return result
+
+
+def _new_stream(backend: Tokenizer, context: list[int], skip_special_tokens: bool) -> Any:
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers before 0.22: no prefill argument
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in context:
+            stream.step(backend, token_id)
+        return stream
+
+
+def _prompt_context(decode: Decode, prompt_token_ids: list[int]) -> list[int]:
+    """The shortest tail of the prompt, of MIN_PROMPT_CONTEXT tokens or more, that decodes to
+    whole characters; none if no tail up to MAX_PROMPT_CONTEXT tokens does."""
+    n = len(prompt_token_ids)
+    for size in range(min(MIN_PROMPT_CONTEXT, n), min(MAX_PROMPT_CONTEXT, n) + 1):
+        tail = prompt_token_ids[n - size:]
+        if REPLACEMENT_CHAR not in decode(tail):
+            return tail
+    return []
+
+
+def _is_incomplete(text: str, prefix_text: str) -> bool:
+    """True while the newest ids add nothing to the text yet: no new characters, or text that
+    ends in an incomplete character."""
+    return len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR)

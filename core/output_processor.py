@@ -84,11 +84,10 @@ class OutputProcessor:
             stop_str = child.detokenizer.update(update.new_token_ids, update.finished)
         except DetokenizationError as exc:
             request.error = str(exc)
-            stop(request, RequestStatus.FINISHED_ERROR, None)
+            _finish(request, RequestStatus.FINISHED_ERROR, None, stop)
             stop_str = None
         if stop_str is not None:
-            stop(request, RequestStatus.FINISHED_STOPPED, stop_str)
-            request.stop_reason = stop_str
+            _finish(request, RequestStatus.FINISHED_STOPPED, stop_str, stop)
         completion.text = child.detokenizer.get_delta()
         if request.is_finished:
             self._finish_child(request, completion)
@@ -118,3 +117,11 @@ class OutputProcessor:
         if parent.num_finished == len(parent.children):
             out.finished = True
             del self.parents[parent.request_id]
+
+
+def _finish(request: Request, status: RequestStatus, reason: str | None, stop: StopFn) -> None:
+    """Finish ``request`` for its text. One the scheduler finished in this same step (for
+    length or EOS) keeps its freed blocks and only takes the text's status and reason."""
+    stop(request, status, reason)
+    request.status = status
+    request.stop_reason = reason
