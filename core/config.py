@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
@@ -25,6 +26,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
+                             f"{self.model!r} has none")
         if self.async_scheduling is None:
             self.async_scheduling = self.device != "cpu"
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

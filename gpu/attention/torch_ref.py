@@ -2,12 +2,15 @@
 
 Decode rows (one query token) of a step are attended in one batched call over their gathered
 context; prefill chunks, which may sit on top of prefix-cached blocks or earlier chunks, are
-attended one request at a time with a causal mask offset by the cached length.
+attended one request at a time with a causal mask offset by the cached length. Both go through
+torch's fused ``scaled_dot_product_attention``; ``reference_paged_attention`` states the maths
+plainly, for tests.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpu.attention.metadata import AttentionMetadata
 
@@ -36,7 +39,8 @@ class TorchAttentionBackend:
             if qsl[i + 1] - qsl[i] > 1:
                 start, end = qsl[i], qsl[i + 1]
                 k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
-                out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start))
+                out[start:end] = _attend_sdpa(query[start:end], k, v, scale,
+                                              lens[i] - (end - start))
         return out
 
     @staticmethod
@@ -48,26 +52,39 @@ class TorchAttentionBackend:
         ctx = torch.tensor([lens[i] for i in rows], device=query.device)
         block_size = key_cache.shape[1]
         num_blocks = -(-max(lens[i] for i in rows) // block_size)
-        table = meta.block_table[rows, :num_blocks].long()
+        table = meta.block_table[rows, :num_blocks].flatten()
         b, kvh, dim = len(rows), key_cache.shape[2], key_cache.shape[3]
-        k = key_cache[table].view(b, -1, kvh, dim).transpose(1, 2)  # [B, KVH, S, D]
-        v = value_cache[table].view(b, -1, kvh, dim).transpose(1, 2)
-        q = query[tokens].view(b, kvh, -1, dim)  # [B, KVH, G, D]
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, KVH, G, S]
+        # index_select copies whole blocks several times faster than advanced indexing
+        k = key_cache.index_select(0, table).view(b, -1, kvh, dim).transpose(1, 2)
+        v = value_cache.index_select(0, table).view(b, -1, kvh, dim).transpose(1, 2)
+        q = query[tokens].unsqueeze(2)  # [B, H, 1, D]
         pos = torch.arange(k.shape[2], device=query.device)
-        scores.masked_fill_((pos[None, :] >= ctx[:, None])[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[tokens] = torch.matmul(probs, v.float()).view(b, -1, dim).to(out.dtype)
+        mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[tokens] = o.squeeze(2)
 
 
 def _gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one request."""
     block_size = key_cache.shape[1]
-    blocks = block_row[: -(-seq_len // block_size)].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    blocks = block_row[: -(-seq_len // block_size)]
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     return k, v
+
+
+def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 num_cached: int) -> torch.Tensor:
+    """``_attend`` through torch's fused attention (several times faster on the CPU)."""
+    length = q.shape[0]
+    q_pos = torch.arange(length, device=q.device)[:, None] + num_cached
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -1,0 +1,74 @@
+"""The offline ``LLM`` API: prompt forms, output order and shape, chat, n, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import LLM, RequestOutput, SamplingParams
+from gpu.random_model import build_model_dir
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = build_model_dir(tmp_path_factory.mktemp("llm") / "llama", "llama")
+    return LLM(str(path), max_num_seqs=4)
+
+
+def test_outputs_come_back_in_input_order_for_strings_and_token_ids(llm):
+    prompts = ["The quick brown fox", [5, 6, 7], "To be, or not", [30] * 40]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    for prompt, out in zip(prompts, outputs):
+        assert isinstance(out, RequestOutput) and out.finished
+        if isinstance(prompt, str):
+            assert out.prompt == prompt
+            assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
+        else:
+            assert out.prompt_token_ids == prompt
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 6 and completion.finish_reason == "length"
+        assert len(completion.logprobs) == 6
+        assert all(len(entry) >= 2 for entry in completion.logprobs)
+        assert completion.text == llm.tokenizer.decode(completion.token_ids,
+                                                       skip_special_tokens=True)
+    # the same prompt alone gives the same greedy tokens as in the batch
+    alone = llm.generate(prompts[3], params, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outputs[3].outputs[0].token_ids
+
+
+def test_n_gives_independent_choices_and_one_params_per_prompt(llm):
+    out = llm.generate([[9, 10, 11]], SamplingParams(n=3, max_tokens=5, seed=1,
+                                                     ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    per_prompt = [SamplingParams(max_tokens=2, ignore_eos=True),
+                  SamplingParams(max_tokens=4, ignore_eos=True)]
+    outs = llm.generate([[5], [6]], per_prompt, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 4]
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[5], [6], [7]], per_prompt, use_tqdm=False)
+
+
+def test_chat_applies_the_template(llm):
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hello there"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4),
+                   use_tqdm=False)[0]
+    expected = llm.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    assert llm.tokenizer.decode(out.prompt_token_ids).endswith("<|assistant|>\n")
+
+
+def test_bad_prompt_ids_and_context_overflow(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[10**7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    too_long = [5] * (llm.engine.max_model_len + 1)
+    out = llm.generate([too_long, [5, 6]], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "error"
+    assert "context" in out[0].error
+    assert out[1].outputs[0].finish_reason == "length"
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks

@@ -1,0 +1,66 @@
+"""Loading Hugging Face model directories: sharded weights, dtypes and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core import LLM, SamplingParams
+from gpu.model_config import ModelConfig
+from gpu.model_loader import resolve_dtype
+from gpu.random_model import build_model_dir
+
+PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("loader") / "llama", "llama")
+
+
+def _greedy(path) -> list[list[int]]:
+    outputs = LLM(str(path)).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_sharded_checkpoint_gives_the_same_tokens(model_dir, tmp_path):
+    sharded = tmp_path / "sharded"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, sharded / name)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert _greedy(sharded) == _greedy(model_dir)
+
+
+def test_unsupported_architecture_lists_the_supported_ones(model_dir, tmp_path):
+    other = tmp_path / "gpt2ish"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*"
+                                         "LlamaForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_dir(other)
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path / "nowhere"))
+
+
+def test_dtypes_resolve_and_bfloat16_runs(model_dir):
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float8", "cpu")
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
