@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -146,6 +147,10 @@ class AsyncEngine:
                 outputs: list = list(errors)
                 if self.core.has_unfinished_requests():
                     outputs.extend(self.core.step())
+                step_done = time.monotonic()  # when these tokens were sampled, for latency
+                for out in outputs:
+                    if isinstance(out, RequestOutput):
+                        out.metrics["step_done"] = step_done
                 self._call_loop(self._post, (outputs, self.core.stats()))
         except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiter
             logger.exception("the engine thread died")

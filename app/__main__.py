@@ -1,0 +1,5 @@
+"""``python -m app serve ...``: see ``app.cli``."""
+
+from app.cli import main
+
+main()

@@ -1,0 +1,121 @@
+"""``POST /v1/chat/completions``: streamed as SSE chunks or answered as one JSON object."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from app.metrics import RequestTracker
+from app.protocol import ApiError, PreparedRequest, prepare_chat_request
+from app.serving import (
+    chat_logprobs,
+    check_engine,
+    generate,
+    get_state,
+    read_json_body,
+    usage,
+)
+from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
+from app.state import ServerState
+from core.outputs import CompletionOutput, RequestOutput
+
+
+async def chat_completions(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_json_body(request)
+    prepared = prepare_chat_request(body, state)
+    check_engine(state)
+    if prepared.stream:
+        tracker = state.metrics.track(len(prepared.prompt_token_ids))
+        return EventStreamResponse(stream_chat(state, prepared, tracker), on_sent=tracker.sent)
+    return DeferredJSONResponse(lambda: complete_chat(state, prepared))
+
+
+async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: RequestTracker
+                      ) -> AsyncIterator[bytes]:
+    """The SSE events of one chat request, ``data: [DONE]`` included."""
+    n = prep.params.n
+    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": prep.created,
+            "model": prep.model}
+    flags = prep.stream_options
+    num_prompt = len(prep.prompt_token_ids)
+    generated, cached = 0, 0
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        event = {**base, "choices": [choice]}
+        if flags.continuous_usage_stats:
+            event["usage"] = usage(num_prompt, generated, cached)
+        elif flags.include_usage:
+            event["usage"] = None
+        return sse_event(event)
+
+    for index in range(n):
+        yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None})
+    try:
+        async for out in generate(state, prep.request_id, prep.prompt_token_ids, prep.params,
+                                  prep.prompt):
+            tracker.observe(out)
+            cached = out.num_cached_tokens
+            for comp in out.outputs:
+                generated += len(comp.token_ids)
+                choice = _delta_choice(state, prep, comp)
+                if choice is not None:
+                    yield chunk(choice)
+    except ApiError as err:
+        tracker.finish(n, "error")
+        yield sse_event(err.to_dict())
+        yield DONE
+        return
+    finally:
+        tracker.finish(n)
+    if flags.include_usage:
+        yield sse_event({**base, "choices": [], "usage": usage(num_prompt, generated, cached)})
+    yield DONE
+
+
+def _delta_choice(state: ServerState, prep: PreparedRequest, comp: CompletionOutput
+                  ) -> dict[str, Any] | None:
+    if not comp.text and comp.finish_reason is None and not (prep.logprobs and comp.token_ids):
+        return None
+    logprobs = None
+    if prep.logprobs:
+        logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
+    return {"index": comp.index, "delta": {"content": comp.text} if comp.text else {},
+            "logprobs": logprobs, "finish_reason": comp.finish_reason}
+
+
+async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int, Any]:
+    """The whole non-streamed response as ``(status, payload)``."""
+    n = prep.params.n
+    tracker = state.metrics.track(len(prep.prompt_token_ids))
+    final: RequestOutput | None = None
+    try:
+        async for out in generate(state, prep.request_id, prep.prompt_token_ids, prep.params,
+                                  prep.prompt):
+            tracker.observe(out)
+            if final is None:
+                final = out
+            else:
+                final.merge(out)
+    except ApiError as err:
+        tracker.finish(n, "error")
+        return err.status, err.to_dict()
+    finally:
+        tracker.finish(n)
+    assert final is not None  # generate yields until the request finishes
+    choices = []
+    for comp in final.outputs:
+        logprobs = None
+        if prep.logprobs:
+            logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
+        choices.append({"index": comp.index,
+                        "message": {"role": "assistant", "content": comp.text},
+                        "logprobs": logprobs, "finish_reason": comp.finish_reason})
+    generated = sum(len(c.token_ids) for c in final.outputs)
+    return 200, {
+        "id": prep.request_id, "object": "chat.completion", "created": prep.created,
+        "model": prep.model, "choices": choices,
+        "usage": usage(len(prep.prompt_token_ids), generated, final.num_cached_tokens)}

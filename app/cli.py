@@ -1,0 +1,207 @@
+"""``python -m app serve`` / ``tidal serve``: load the model, then serve the API with hypercorn
+on uvloop.
+
+The model loads before the socket opens, so once ``/health`` answers the server is ready.
+SIGINT/SIGTERM first stop the engine, which ends every in-flight stream with an error event
+and ``[DONE]``, then let hypercorn close the connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from dataclasses import fields
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
+    from starlette.applications import Starlette
+
+    from app.state import ServerSettings
+    from core.async_engine import AsyncEngine
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+logger = logging.getLogger("tidal")
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MiB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to help texts that do not already say their default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _default_model() -> str | None:
+    import core
+
+    return getattr(core, "DEFAULT_MODEL", None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from core.config import EngineConfig
+
+    defaults = SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})
+    default_model = _default_model()
+    parser = argparse.ArgumentParser(
+        prog="tidal", description="tidal: a streaming LLM inference server with an "
+        "OpenAI-compatible API.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="serve a model over HTTP (OpenAI API, SSE) and a websocket",
+        description="Serve a model: POST /v1/chat/completions, POST /v1/completions, "
+        "GET /v1/models, GET /health, GET /metrics, WS /v1/chat/ws and a chat page at /.",
+        formatter_class=_DefaultsFormatter)
+    model_help = "Hugging Face model directory to serve"
+    if default_model:
+        model_help += " (default: the embedded model)"
+    serve.add_argument("--model", default=default_model, required=default_model is None,
+                       help=model_help)
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id that /v1/models lists and requests must name "
+                       "(default: the --model value as given)")
+    serve.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind")
+    serve.add_argument("--device", default=defaults.device, help="'cpu', 'cuda' or 'cuda:N'")
+    serve.add_argument("--dtype", default=defaults.dtype,
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weight and activation dtype; 'auto' is float32 on CPU and "
+                       "bfloat16 on GPU")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
+                       help="most sequences in one batch")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int,
+                       default=defaults.max_num_batched_tokens,
+                       help="most tokens (prefill chunks + decodes) in one step")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="context length in tokens (default: the model's "
+                       "max_position_embeddings)")
+    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                       help="bytes of KV cache, e.g. 2GiB (default: 1 GiB on CPU; on GPU "
+                       "what --gpu-memory-utilization leaves)")
+    serve.add_argument("--gpu-memory-utilization", type=float,
+                       default=defaults.gpu_memory_utilization,
+                       help="fraction of GPU memory tidal may use when --kv-cache-memory "
+                       "is not given")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching,
+                       help="reuse the KV cache of shared prompt prefixes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on /v1 requests")
+    serve.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
+                       help="largest request body accepted (larger ones get 413)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"], help="logging level")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        sys.exit(serve(args))
+
+
+def serve(args: argparse.Namespace) -> int:
+    from app.server import build_app
+    from app.state import ServerSettings
+    from core.async_engine import AsyncEngine
+    from core.config import EngineConfig
+
+    try:
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching)
+    except ValueError as exc:
+        print(f"tidal: error: {exc}", file=sys.stderr)
+        return 2
+    logger.info("loading %s on %s", args.model, args.device)
+    engine = AsyncEngine(config)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model, model_path=str(args.model),
+        api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+        host=args.host, port=args.port)
+    app = build_app(engine, settings)
+    _run(_serve(app, settings, engine))
+    return 0
+
+
+def _hypercorn_config(settings: ServerSettings) -> Config:
+    from hypercorn.config import Config
+
+    host, port = settings.host, settings.port
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging set-up
+    config.graceful_timeout = 5.0
+    return config
+
+
+async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> None:
+    from hypercorn.asyncio import serve
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not on this platform or thread
+            pass
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        logger.info("shutting down")
+        await engine.shutdown()
+
+    await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # Windows: plain asyncio
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""``POST /v1/completions``: one or more prompts, ``n`` choices each (choice index
+``prompt_index * n + i``), with ``echo`` and legacy ``logprobs``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from app.metrics import RequestTracker
+from app.protocol import ApiError, PreparedCompletion, prepare_completion_request
+from app.serving import (
+    check_engine,
+    completion_logprobs,
+    generate,
+    get_state,
+    merge_streams,
+    read_json_body,
+    usage,
+)
+from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
+from app.state import ServerState
+from core.outputs import CompletionOutput, RequestOutput
+
+
+async def completions(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_json_body(request)
+    prepared = prepare_completion_request(body, state)
+    check_engine(state)
+    if prepared.stream:
+        run = _Run(state, prepared)
+        return EventStreamResponse(stream_completion(run), on_sent=run.sent)
+    return DeferredJSONResponse(lambda: complete_text(state, prepared))
+
+
+@dataclass
+class _Run:
+    """The engine requests behind one completion request and their accounting."""
+
+    state: ServerState
+    prep: PreparedCompletion
+    trackers: list[RequestTracker] = field(default_factory=list)
+    cached: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
+    generated: int = 0
+
+    def __post_init__(self) -> None:
+        self.trackers = [self.state.metrics.track(len(p.token_ids)) for p in self.prep.prompts]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prep.prompts)
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.num_prompt_tokens, self.generated, sum(self.cached.values()))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [generate(self.state, self._engine_id(i), p.token_ids, self.prep.params,
+                            p.text) for i, p in enumerate(self.prep.prompts)]
+        async for index, out in merge_streams(streams):
+            self.trackers[index].observe(out)
+            self.cached[index] = out.num_cached_tokens
+            self.generated += sum(len(c.token_ids) for c in out.outputs)
+            yield index, out
+
+    def finish(self, default_reason: str = "abort") -> None:
+        for tracker in self.trackers:
+            tracker.finish(self.prep.params.n, default_reason)
+
+    def sent(self) -> None:
+        for tracker in self.trackers:
+            tracker.sent()
+
+    def choice_index(self, prompt_index: int, comp: CompletionOutput) -> int:
+        return prompt_index * self.prep.params.n + comp.index
+
+    def _engine_id(self, prompt_index: int) -> str:
+        rid = self.prep.request_id
+        return rid if len(self.prep.prompts) == 1 else f"{rid}-p{prompt_index}"
+
+
+async def stream_completion(run: _Run) -> AsyncIterator[bytes]:
+    state, prep = run.state, run.prep
+    base = {"id": prep.request_id, "object": "text_completion", "created": prep.created,
+            "model": prep.model}
+    flags = prep.stream_options
+    offsets: dict[int, int] = {}  # choice index -> text offset, for logprobs
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        event = {**base, "choices": [choice]}
+        if flags.continuous_usage_stats:
+            event["usage"] = run.usage()
+        elif flags.include_usage:
+            event["usage"] = None
+        return sse_event(event)
+
+    if prep.echo:
+        for p_index, prompt in enumerate(prep.prompts):
+            for i in range(prep.params.n):
+                index = p_index * prep.params.n + i
+                logprobs = None
+                if prep.logprobs is not None:
+                    logprobs = completion_logprobs(state, prompt.token_ids,
+                                                   [None] * len(prompt.token_ids),
+                                                   prep.logprobs, 0)
+                offsets[index] = len(prompt.text)
+                yield chunk({"index": index, "text": prompt.text, "logprobs": logprobs,
+                             "finish_reason": None})
+    try:
+        async for p_index, out in run.deltas():
+            for comp in out.outputs:
+                if not comp.text and comp.finish_reason is None \
+                        and not (prep.logprobs is not None and comp.token_ids):
+                    continue
+                index = run.choice_index(p_index, comp)
+                logprobs = None
+                if prep.logprobs is not None:
+                    offset = offsets.get(index, 0)
+                    logprobs = completion_logprobs(state, comp.token_ids, comp.logprobs or [],
+                                                   prep.logprobs, offset)
+                    offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+                yield chunk({"index": index, "text": comp.text, "logprobs": logprobs,
+                             "finish_reason": comp.finish_reason})
+    except ApiError as err:
+        run.finish("error")
+        yield sse_event(err.to_dict())
+        yield DONE
+        return
+    finally:
+        run.finish()
+    if flags.include_usage:
+        yield sse_event({**base, "choices": [], "usage": run.usage()})
+    yield DONE
+
+
+async def complete_text(state: ServerState, prep: PreparedCompletion) -> tuple[int, Any]:
+    run = _Run(state, prep)
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for p_index, out in run.deltas():
+            if p_index in finals:
+                finals[p_index].merge(out)
+            else:
+                finals[p_index] = out
+    except ApiError as err:
+        run.finish("error")
+        return err.status, err.to_dict()
+    finally:
+        run.finish()
+    choices = []
+    for p_index, prompt in enumerate(prep.prompts):
+        for comp in finals[p_index].outputs:
+            choices.append(_full_choice(state, prep, run.choice_index(p_index, comp), prompt,
+                                        comp))
+    choices.sort(key=lambda c: c["index"])
+    return 200, {"id": prep.request_id, "object": "text_completion", "created": prep.created,
+                 "model": prep.model, "choices": choices, "usage": run.usage()}
+
+
+def _full_choice(state: ServerState, prep: PreparedCompletion, index: int, prompt: Any,
+                 comp: CompletionOutput) -> dict[str, Any]:
+    text = prompt.text + comp.text if prep.echo else comp.text
+    logprobs = None
+    if prep.logprobs is not None:
+        token_ids = list(comp.token_ids)
+        entries: list[dict[int, float] | None] = list(comp.logprobs or [])
+        if prep.echo:
+            token_ids = prompt.token_ids + token_ids
+            entries = [None] * len(prompt.token_ids) + entries
+        logprobs = completion_logprobs(state, token_ids, entries, prep.logprobs, 0)
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": comp.finish_reason}

@@ -1,0 +1,109 @@
+"""The Starlette app: routes, error handlers, and a lifespan that runs the engine.
+
+``build_app(engine, settings)`` takes an ``AsyncEngine`` that is constructed (model loaded) but
+not started; the lifespan starts its thread on the serving event loop and shuts it down on exit,
+failing any request still in flight with an error instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from app.chat_completions import chat_completions
+from app.completions import completions
+from app.metrics import CONTENT_TYPE
+from app.protocol import ApiError
+from app.serving import check_api_key, get_state
+from app.state import ServerSettings, ServerState
+from app.websocket import chat_page, chat_websocket
+
+if TYPE_CHECKING:
+    from core.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
+    state = ServerState.from_engine(engine, settings)
+    state.metrics.bind_stats(lambda: engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not engine.is_alive:
+            engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            WebSocketRoute("/v1/chat/ws", chat_websocket),
+            Route("/", chat_page, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                            Exception: _server_error},
+        lifespan=lifespan,
+    )
+    app.state.tidal = state
+    return app
+
+
+async def list_models(request: Request) -> Response:
+    state = get_state(request)
+    check_api_key(request.headers, state)
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.served_model_name, "object": "model", "created": _STARTED,
+        "owned_by": "tidal", "root": state.settings.model_path or state.served_model_name,
+        "max_model_len": state.max_model_len}]})
+
+
+async def health(request: Request) -> Response:
+    engine = get_state(request).engine
+    if engine.is_alive:
+        return JSONResponse({"status": "ok"})
+    return _json_error(ApiError(503, f"The engine is not running: {engine.error or 'stopped'}",
+                                code="engine_dead"))
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = get_state(request)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _json_error(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _json_error(ApiError(exc.status_code, exc.detail, type="invalid_request_error"))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return _json_error(ApiError(500, f"Internal server error: {exc!r}"))
+
+
+def _json_error(err: ApiError) -> Response:
+    return JSONResponse(err.to_dict(), status_code=err.status)
+
+
+_STARTED = int(time.time())
+__all__ = ["ServerSettings", "ServerState", "build_app"]

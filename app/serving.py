@@ -1,0 +1,165 @@
+"""What the chat and text-completion handlers share: reading the request (API key, size limit,
+JSON), driving the engine with errors mapped to ``ApiError``, merging several prompts' streams,
+and the usage and logprobs blocks of the responses."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from starlette.requests import Request
+
+from app.protocol import ApiError, parse_json_body
+from app.state import ServerState
+from core.async_engine import EngineDeadError
+from core.outputs import RequestOutput
+from core.sampling_params import SamplingParams
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tidal
+
+
+def check_api_key(headers: Mapping[str, str], state: ServerState) -> None:
+    """401 unless ``Authorization: Bearer <key>`` matches ``--api-key`` (when one is set)."""
+    key = state.settings.api_key
+    if not key:
+        return
+    given = headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`",
+                       code="invalid_api_key")
+
+
+def check_engine(state: ServerState) -> None:
+    if not state.engine.is_alive:
+        raise ApiError(503, f"The engine is not running: {state.engine.error or 'stopped'}",
+                       code="engine_dead")
+
+
+async def read_json_body(request: Request) -> dict[str, Any]:
+    """Authorize, then read the body (at most ``max_request_bytes``) as a JSON object,
+    whatever the Content-Type says."""
+    state = get_state(request)
+    check_api_key(request.headers, state)
+    limit = state.settings.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)  # past the limit, drain the rest so the reply gets through
+    if size > limit:
+        raise _too_large(limit)
+    return parse_json_body(b"".join(chunks))
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than the limit of {limit} bytes",
+                    code="request_too_large")
+
+
+async def generate(state: ServerState, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams, prompt: str | None) -> AsyncIterator[RequestOutput]:
+    """``AsyncEngine.generate`` with its failures as ``ApiError``s: 503 when the engine is
+    dead, 400 when it refuses the request, 500 when the request ends in an error."""
+    try:
+        async for out in state.engine.generate(prompt_token_ids, params, request_id, prompt):
+            if out.error or any(c.finish_reason == "error" for c in out.outputs):
+                raise ApiError(500, f"The request failed: {out.error or 'engine error'}")
+            yield out
+    except EngineDeadError as exc:
+        raise ApiError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "prompt") from None
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' delta streams as ``(prompt_index, delta)``.
+
+    Each stream is pumped by a task through a small bounded queue, so a slow consumer leaves
+    deltas merging in the engine's collectors. Leaving early cancels every pump, which aborts
+    every request."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out, None))
+            await queue.put((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sorted_top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def chat_logprobs(state: ServerState, token_ids: list[int],
+                  logprobs: list[dict[int, float]] | None, top: int) -> dict[str, Any]:
+    """The chat ``logprobs`` block: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs or []):
+        content.append({**_token_info(state, token_id, entry.get(token_id, float("-inf"))),
+                        "top_logprobs": [_token_info(state, t, lp)
+                                         for t, lp in sorted_top(entry, top)]})
+    return {"content": content}
+
+
+def _token_info(state: ServerState, token_id: int, logprob: float) -> dict[str, Any]:
+    text = state.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def completion_logprobs(state: ServerState, token_ids: list[int],
+                        logprobs: list[dict[int, float] | None], top: int,
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` block; ``None`` entries (echoed prompt tokens,
+    whose logprobs the engine does not compute) give ``null`` values."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, logprobs):
+        text = state.token_text(token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(entry.get(token_id, float("-inf")))
+        tops.append({state.token_text(t): lp for t, lp in sorted_top(entry, top)})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -1,0 +1,65 @@
+"""What every handler needs: the engine, the tokenizer, the settings and the metrics.
+
+One ``ServerState`` lives on ``app.state.tidal``. Handlers read the engine's static facts
+(context length, vocabulary, KV-cache capacity) from here, never from scheduler state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from app.chat_template import ChatTemplate
+from app.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from core.async_engine import AsyncEngine
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB of JSON body
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_path: str = ""
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    settings: ServerSettings
+    metrics: ServerMetrics
+    chat_template: ChatTemplate
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int  # tokens the whole KV cache holds: one sequence can use no more
+    _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.settings.served_model_name
+
+    @classmethod
+    def from_engine(cls, engine: AsyncEngine, settings: ServerSettings,
+                    metrics: ServerMetrics | None = None) -> ServerState:
+        core = engine.core
+        stats = engine.stats
+        return cls(
+            engine=engine, tokenizer=engine.tokenizer, settings=settings,
+            metrics=metrics or ServerMetrics(),
+            chat_template=ChatTemplate.for_tokenizer(engine.tokenizer),
+            max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
+            kv_capacity_tokens=stats.num_total_blocks * core.config.block_size)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs report it (cached: the vocabulary is fixed)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text

@@ -1,0 +1,266 @@
+"""The websocket chat at ``/v1/chat/ws`` and the web chat page at ``/``.
+
+Frame protocol (JSON text frames; the README's "Websocket chat" section has the details):
+
+- client -> server: an OpenAI chat request (``messages``, ``max_tokens``, ``temperature``, ...;
+  ``model`` may be left out) optionally tagged ``"type": "chat"``, or ``{"type": "cancel"}``.
+- server -> client, per turn: ``{"type": "delta", "id", "index", "text", "num_tokens"}`` frames,
+  then exactly one terminal frame: ``{"type": "done", "id", "model", "finish_reason",
+  "choices", "usage"}`` or ``{"type": "error", "id", "error": {...}}``.
+
+One turn runs at a time per socket, as its own task, so the reader keeps reading frames (a
+cancel, or the socket closing) while the reply streams. A cancel frame aborts the request in the
+engine, which ends the turn with ``finish_reason: "abort"``; a closed socket cancels the turn's
+task, and leaving ``AsyncEngine.generate`` early aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from app.metrics import RequestTracker
+from app.protocol import ApiError, PreparedRequest, prepare_chat_request
+from app.serving import chat_logprobs, generate, usage
+from app.state import ServerState
+from core.outputs import CompletionOutput
+from templates import TEMPLATES_DIR
+
+logger = logging.getLogger(__name__)
+
+WS_PATH = "/v1/chat/ws"
+_page_env = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
+                        autoescape=select_autoescape(["html"]))
+
+
+async def chat_page(request: Request) -> Response:
+    """The web chat page; it talks to the websocket below."""
+    state = request.app.state.tidal
+    html = _page_env.get_template("chat.html").render(model=state.served_model_name,
+                                                      ws_path=WS_PATH)
+    return HTMLResponse(html)
+
+
+async def chat_websocket(websocket: WebSocket) -> None:
+    await websocket.accept()
+    state = websocket.app.state.tidal
+    socket = ChatSocket(websocket, state)
+    if not _authorized(websocket, state.settings.api_key):
+        await socket.send_error(ApiError(401, "a valid API key is required: send it as "
+                                         "'Authorization: Bearer <key>' or '?api_key=<key>'",
+                                         code="invalid_api_key"))
+        await websocket.close(code=1008)  # policy violation
+        return
+    await socket.serve()
+
+
+def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
+    """Browsers cannot set headers on a websocket, so the key may also come in the query."""
+    if not api_key:
+        return True
+    header = websocket.headers.get("authorization", "")
+    given = header[7:] if header[:7].lower() == "bearer " else websocket.query_params.get(
+        "api_key", "")
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+@dataclass
+class Turn:
+    """One request/reply exchange on a socket."""
+
+    id: str
+    cancelled: bool = False
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class ChatSocket:
+    """Reads frames and runs one turn at a time on one accepted websocket."""
+
+    def __init__(self, websocket: WebSocket, state: ServerState) -> None:
+        self.ws = websocket
+        self.state = state
+        self.turn: Turn | None = None
+        self._task: asyncio.Task | None = None  # the latest turn's task
+        self._send_lock = asyncio.Lock()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                await self._on_frame(message.get("text") or message.get("bytes") or b"")
+        except WebSocketDisconnect:
+            return
+        finally:
+            await self._drop_turn()
+
+    async def _on_frame(self, raw: str | bytes) -> None:
+        limit = self.state.settings.max_request_bytes
+        if len(raw if isinstance(raw, bytes) else raw.encode()) > limit:
+            await self.send_error(ApiError(413, f"the frame is larger than the limit of {limit}"
+                                           " bytes", code="request_too_large"))
+            return
+        try:
+            frame = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            await self.send_error(_bad_frame(f"the frame is not valid JSON: {exc}"))
+            return
+        if not isinstance(frame, dict):
+            await self.send_error(_bad_frame("a frame must be a JSON object"))
+            return
+        kind = frame.pop("type", "chat")
+        if kind == "cancel":
+            self._cancel()
+        elif kind == "chat":
+            await self._start_turn(frame)
+        else:
+            await self.send_error(_bad_frame(
+                f"unknown frame type {kind!r}; expected 'chat' or 'cancel'", param="type"))
+
+    async def _start_turn(self, body: dict[str, Any]) -> None:
+        if self.turn is not None:
+            await self.send_error(ApiError(
+                409, "a reply is still streaming on this socket; send a cancel frame or wait "
+                "for its done frame", type="invalid_request_error", code="turn_in_flight"))
+            return
+        turn = Turn(id=f"chatcmpl-{uuid.uuid4().hex}")
+        try:
+            prepared = prepare_chat_request(body, self.state, require_model=False)
+        except ApiError as exc:
+            await self.send_error(exc, turn.id)
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not end the socket
+            logger.exception("preparing a websocket chat request failed")
+            await self.send_error(_internal(exc), turn.id)
+            return
+        self.turn = turn
+        self._task = asyncio.create_task(self._run_turn(turn, prepared))
+
+    def _cancel(self) -> None:
+        """Abort the turn in flight; the engine ends it with ``finish_reason: "abort"``. A
+        cancel with no turn in flight (its done frame may be on the way) is ignored."""
+        turn = self.turn
+        if turn is None or turn.cancelled:
+            return
+        turn.cancelled = True
+        pass  # MUTANT
+
+    async def _drop_turn(self) -> None:
+        """The socket closed: cancel the turn's task, which aborts its request."""
+        task = self._task
+        if task is None or task.done():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _run_turn(self, turn: Turn, prep: PreparedRequest) -> None:
+        try:
+            terminal = await self._play(turn, prep)
+        finally:
+            # The request is over in the engine before the terminal frame leaves, so a client
+            # may send its next request as soon as it reads that frame.
+            if self.turn is turn:
+                self.turn = None
+        if terminal is not None:
+            with contextlib.suppress(_SocketGone):
+                await self._send(terminal)
+
+    async def _play(self, turn: Turn, prep: PreparedRequest) -> dict[str, Any] | None:
+        """Stream the turn's deltas; returns its terminal frame (``None``: the client left)."""
+        tracker = self.state.metrics.track(len(prep.prompt_token_ids))
+        try:
+            if not turn.cancelled:  # a cancel before the task started: nothing was queued
+                await self._stream(turn, prep, tracker)
+        except ApiError as error:
+            tracker.finish(prep.params.n, "error")
+            return _error_frame(error, turn.id)
+        except _SocketGone:
+            return None
+        except Exception as exc:  # noqa: BLE001 - the socket outlives a failed turn
+            logger.exception("websocket chat turn %s failed", turn.id)
+            tracker.finish(prep.params.n, "error")
+            return _error_frame(_internal(exc), turn.id)
+        finally:
+            tracker.finish(prep.params.n, "abort")  # no-op if already finished
+        return self._done_frame(turn, prep)
+
+    async def _stream(self, turn: Turn, prep: PreparedRequest, tracker: RequestTracker
+                      ) -> None:
+        """Forward the engine's deltas as delta frames until the request finishes."""
+        stream = generate(self.state, turn.id, prep.prompt_token_ids, prep.params, prep.prompt)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                tracker.observe(out)
+                turn.num_cached_tokens = max(turn.num_cached_tokens, out.num_cached_tokens)
+                for choice in out.outputs:
+                    await self._forward(turn, prep, choice)
+
+    async def _forward(self, turn: Turn, prep: PreparedRequest, choice: CompletionOutput
+                       ) -> None:
+        turn.num_tokens += len(choice.token_ids)
+        if choice.finish_reason is not None:
+            turn.finish_reasons[choice.index] = choice.finish_reason
+        if not choice.text and not choice.token_ids:
+            return
+        frame: dict[str, Any] = {"type": "delta", "id": turn.id, "index": choice.index,
+                                 "text": choice.text, "num_tokens": len(choice.token_ids)}
+        if prep.logprobs:
+            frame["logprobs"] = chat_logprobs(self.state, choice.token_ids, choice.logprobs,
+                                              prep.top_logprobs)
+        await self._send(frame)
+
+    def _done_frame(self, turn: Turn, prep: PreparedRequest) -> dict[str, Any]:
+        reasons = [turn.finish_reasons.get(i, "abort") for i in range(prep.params.n)]
+        return {"type": "done", "id": turn.id, "model": prep.model, "finish_reason": reasons[0],
+                "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
+                "usage": usage(len(prep.prompt_token_ids), turn.num_tokens,
+                               turn.num_cached_tokens)}
+
+    async def send_error(self, error: ApiError, turn_id: str | None = None) -> None:
+        with contextlib.suppress(_SocketGone):
+            await self._send(_error_frame(error, turn_id))
+
+    async def _send(self, frame: dict) -> None:
+        """Send one frame; raises ``_SocketGone`` when the client has left."""
+        async with self._send_lock:
+            if self.ws.application_state != WebSocketState.CONNECTED:
+                raise _SocketGone
+            try:
+                await self.ws.send_text(orjson.dumps(frame).decode())
+            except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+                raise _SocketGone from exc
+
+
+class _SocketGone(Exception):
+    """The client closed the socket while a frame was being sent."""
+
+
+def _error_frame(error: ApiError, turn_id: str | None) -> dict[str, Any]:
+    frame: dict[str, Any] = {"type": "error"}
+    if turn_id is not None:
+        frame["id"] = turn_id
+    frame.update(error.to_dict())
+    return frame
+
+
+def _internal(exc: Exception) -> ApiError:
+    return ApiError(500, f"Internal server error: {exc!r}")
+
+
+def _bad_frame(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code="invalid_frame")

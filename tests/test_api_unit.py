@@ -1,0 +1,385 @@
+"""Unit tests of the HTTP layer: the collector under a lagging consumer, SSE framing, abort on
+cancel, request validation, the engine dying under the app, and the CLI's parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from starlette.testclient import TestClient
+
+from app.chat_template import ChatTemplate
+from app.cli import build_parser, parse_bytes
+from app.metrics import ServerMetrics
+from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
+from app.server import build_app
+from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
+from app.state import ServerSettings, ServerState
+from core.async_engine import AsyncEngine
+from core.config import EngineConfig
+from core.outputs import CompletionOutput, RequestOutput, RequestOutputCollector
+from core.sampling_params import SamplingParams
+
+SSE_EVENT = re.compile(rb"data: (\{.*?\}|\[DONE\])\n\n", re.S)
+CHAT = [{"role": "user", "content": "Tell me a joke"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpu.random_model import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("api_unit") / "tiny", "llama")
+
+
+def _engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), kv_cache_memory=4 << 20, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class _NoEngine:
+    is_alive = True
+
+
+@pytest.fixture
+def state(tokenizer: Any) -> ServerState:
+    return ServerState(engine=_NoEngine(), tokenizer=tokenizer,  # type: ignore[arg-type]
+                       settings=ServerSettings(served_model_name="tiny"),
+                       metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
+                       max_model_len=64, vocab_size=len(tokenizer), kv_capacity_tokens=48)
+
+
+# -- the collector ----------------------------------------------------------------------------
+def _delta(text: str, ids: list[int], logprob: float, reason: str | None = None
+           ) -> RequestOutput:
+    comp = CompletionOutput(0, text, list(ids), [{i: logprob} for i in ids], reason)
+    return RequestOutput("r", None, [1, 2], [comp], finished=reason is not None)
+
+
+async def test_collector_merges_deltas_for_a_lagging_consumer() -> None:
+    collector = RequestOutputCollector()
+    collector.put(_delta("a", [5], -0.5))
+    collector.put(_delta("b", [6, 7], -1.0))
+    collector.put(_delta("c", [8], -2.0, "length"))
+    out = collector.get_nowait() or await collector.get()
+    comp = out.outputs[0]
+    assert (comp.text, comp.token_ids) == ("abc", [5, 6, 7, 8])
+    assert comp.logprobs == [{5: -0.5}, {6: -1.0}, {7: -1.0}, {8: -2.0}]
+    assert comp.finish_reason == "length" and out.finished
+    assert collector.get_nowait() is None  # one slot: nothing queued behind the merge
+
+
+async def test_collector_wakes_a_waiting_consumer_and_raises_errors() -> None:
+    collector = RequestOutputCollector()
+    waiter = asyncio.ensure_future(collector.get())
+    await asyncio.sleep(0)
+    collector.put(_delta("x", [3], -0.1))
+    assert (await waiter).outputs[0].text == "x"
+    collector.put(_delta("y", [4], -0.1))
+    collector.put(RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        collector.get_nowait()
+
+
+async def test_lagging_consumer_of_a_real_engine_gets_merged_deltas(model_dir: Path) -> None:
+    engine = AsyncEngine(_engine_config(model_dir))
+    engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        deltas = []
+        async for out in engine.generate([5, 6, 7, 8], params, "slow"):
+            deltas.append(out)
+            while engine.stats.num_running:  # lag until the engine has finished the request
+                await asyncio.sleep(0.01)
+        ids = [t for d in deltas for t in d.outputs[0].token_ids]
+        assert len(ids) == 24 and len(deltas) <= 2  # everything after the first, merged
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+        fast = [t async for d in engine.generate([5, 6, 7, 8], params, "fast")
+                for t in d.outputs[0].token_ids]
+        assert ids == fast
+    finally:
+        await engine.shutdown()
+
+
+async def test_cancelling_the_consumer_aborts_and_frees_blocks(model_dir: Path) -> None:
+    engine = AsyncEngine(_engine_config(model_dir))
+    engine.start()
+    try:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            async for _ in engine.generate(list(range(5, 45)), params, "gone"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        assert engine.stats.num_running == 1 and engine.stats.num_free_blocks < \
+            engine.stats.num_total_blocks
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):  # the abort lands within one engine step
+            if engine.stats.num_free_blocks == engine.stats.num_total_blocks:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_cache_usage == 0.0
+    finally:
+        await engine.shutdown()
+
+
+# -- SSE framing ------------------------------------------------------------------------------
+def test_sse_event_is_byte_exact() -> None:
+    payload = {"id": "x", "choices": [{"delta": {"content": "é 😀\n"}}]}
+    assert sse_event(payload) == b"data: " + orjson.dumps(payload) + b"\n\n"
+    assert b"\n" not in sse_event(payload)[:-2]  # newlines inside text stay escaped
+    assert DONE == b"data: [DONE]\n\n"
+
+
+class _Asgi:
+    """A fake ASGI connection: records what is sent; disconnects on demand."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent)
+
+
+async def test_event_stream_response_frames_and_ends() -> None:
+    async def events():
+        yield sse_event({"n": 1})
+        yield sse_event({"n": 2})
+        yield DONE
+
+    conn = _Asgi()
+    await EventStreamResponse(events())({"type": "http"}, conn.receive, conn.send)
+    start = conn.sent[0]
+    assert start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    assert conn.body == b'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
+    assert conn.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+async def test_disconnect_cancels_the_stream_and_runs_its_cleanup() -> None:
+    cleaned = asyncio.Event()
+    forever = asyncio.Event()
+
+    async def events():
+        try:
+            yield sse_event({"n": 1})
+            await forever.wait()
+            yield sse_event({"n": 2})
+        finally:
+            cleaned.set()
+
+    conn = _Asgi()
+    task = asyncio.ensure_future(EventStreamResponse(events())({"type": "http"}, conn.receive,
+                                                               conn.send))
+    while len(conn.sent) < 2:
+        await asyncio.sleep(0)
+    conn.gone.set()
+    await task
+    assert cleaned.is_set() and conn.body == b'data: {"n":1}\n\n'
+
+
+async def test_race_disconnect_returns_the_result_when_work_wins() -> None:
+    conn = _Asgi()
+
+    async def work() -> int:
+        return 42
+
+    assert await race_disconnect(conn.receive, work()) == (True, 42)
+
+
+# -- validation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,param", [
+    ({"messages": CHAT}, "model"),
+    ({"model": "tiny"}, "messages"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": "hi"}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, "temperature"),
+    ({"model": "tiny", "messages": CHAT, "temperature": -1}, "temperature"),
+    ({"model": "tiny", "messages": CHAT, "top_p": 1.5}, "top_p"),
+    ({"model": "tiny", "messages": CHAT, "top_k": -2}, "top_k"),
+    ({"model": "tiny", "messages": CHAT, "n": 0}, "n"),
+    ({"model": "tiny", "messages": CHAT, "n": "2"}, "n"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 1.5}, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 60}, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 60}, "max_completion_tokens"),
+    ({"model": "tiny", "messages": CHAT, "stop": 3}, "stop"),
+    ({"model": "tiny", "messages": CHAT, "stop": [""]}, "stop"),
+    ({"model": "tiny", "messages": CHAT, "stream": "yes"}, "stream"),
+    ({"model": "tiny", "messages": CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "tiny", "messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": "tiny", "messages": CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"model": "tiny", "messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
+    ({"model": "tiny", "messages": CHAT, "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "fox " * 80}]}, "messages"),
+])
+def test_bad_chat_requests_name_the_field(state: ServerState, body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_chat_request(body, state)
+    assert info.value.status == 400, info.value.message
+    assert info.value.param == param, info.value.message
+    error = info.value.to_dict()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_unknown_model_is_404(state: ServerState) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_chat_request({"model": "gpt-9", "messages": CHAT}, state)
+    assert (info.value.status, info.value.param, info.value.code) == (404, "model",
+                                                                      "model_not_found")
+
+
+def test_chat_request_is_templated_and_tokenized(state: ServerState, tokenizer: Any) -> None:
+    parts = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a joke"}]
+    prep = prepare_chat_request({"model": "tiny", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}],
+        "temperature": 0, "stop": "x", "seed": 3, "unknown_field": 1, "user": "u1",
+        "stream": True, "stream_options": {"include_usage": True}}, state)
+    assert prep.prompt == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "Tell me\na joke"}], tokenize=False,
+        add_generation_prompt=True)
+    assert prep.prompt_token_ids == tokenizer.encode(prep.prompt, add_special_tokens=False)
+    assert prep.params.stop == ["x"] and prep.params.greedy and prep.params.seed == 3
+    # no max_tokens: whatever room the context (64) and the KV cache (48 tokens) leave
+    assert prep.params.max_tokens == 48 - len(prep.prompt_token_ids)
+    assert prep.stream and prep.stream_options.include_usage
+    assert prep.request_id.startswith("chatcmpl-")
+
+
+def test_model_may_be_left_out_when_not_required(state: ServerState) -> None:
+    prep = prepare_chat_request({"messages": CHAT}, state, require_model=False)
+    assert prep.model == "tiny"
+
+
+@pytest.mark.parametrize("prompt,count", [("hello", 1), (["a", "b"], 2), ([5, 6, 7], 1),
+                                          ([[5, 6], [7]], 2)])
+def test_completion_prompt_shapes(state: ServerState, prompt: Any, count: int) -> None:
+    prep = prepare_completion_request({"model": "tiny", "prompt": prompt, "n": 2}, state)
+    assert len(prep.prompts) == count and prep.params.n == 2 and prep.params.max_tokens == 16
+    assert all(p.token_ids for p in prep.prompts)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": [1, "a"]}, "prompt"),
+    ({"model": "tiny", "prompt": [[1], []]}, "prompt"),
+    ({"model": "tiny", "prompt": [10**9]}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "echo": 1}, "echo"),
+    ({"model": "tiny", "prompt": ["hi", "fox " * 80]}, "prompt[1]"),
+])
+def test_bad_completion_requests_name_the_field(state: ServerState, body: dict,
+                                                param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_completion_request(body, state)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def test_fallback_chat_template_renders_chatml() -> None:
+    class Bare:
+        chat_template = None
+        bos_token = eos_token = unk_token = pad_token = None
+
+    template = ChatTemplate.for_tokenizer(Bare())
+    assert template.source.endswith("chat_fallback.jinja")
+    assert template.render([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sandbox_blocks_unsafe_templates() -> None:
+    from app.chat_template import ChatTemplateError
+
+    class Evil:
+        chat_template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+        bos_token = eos_token = unk_token = pad_token = None
+
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.for_tokenizer(Evil()).render([{"role": "user", "content": "x"}])
+
+
+# -- the app around a dying engine ------------------------------------------------------------
+def test_engine_death_gives_errors_not_hangs(model_dir: Path) -> None:
+    engine = AsyncEngine(_engine_config(model_dir))
+    app = build_app(engine, ServerSettings(served_model_name="tiny"))
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+
+        def crash() -> list:
+            raise RuntimeError("device lost")
+
+        engine.core.step = crash  # type: ignore[method-assign]
+        body = {"model": "tiny", "messages": CHAT, "max_tokens": 4, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            raw = b"".join(resp.iter_bytes())
+        events = SSE_EVENT.findall(raw)
+        assert events[-1] == b"[DONE]"
+        assert "error" in orjson.loads(events[-2])
+        health = client.get("/health")
+        assert health.status_code == 503 and "error" in health.json()
+        again = client.post("/v1/chat/completions", json={**body, "stream": False})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+def test_parse_bytes() -> None:
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    for bad in ("lots", "0", "-1GiB", "3 parsecs"):
+        with pytest.raises(Exception, match="byte size|positive"):
+            parse_bytes(bad)
+
+
+def test_cli_flags(model_dir: Path) -> None:
+    args = build_parser().parse_args([
+        "serve", "--model", str(model_dir), "--host", "0.0.0.0", "--port", "9000",
+        "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "512", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+        "--no-enable-prefix-caching", "--api-key", "k", "--served-model-name", "tiny"])
+    assert (args.host, args.port, args.max_num_seqs, args.max_model_len) == ("0.0.0.0", 9000, 8,
+                                                                             256)
+    assert args.kv_cache_memory == 64 << 20 and args.enable_prefix_caching is False
+    assert (args.api_key, args.served_model_name, args.dtype) == ("k", "tiny", "float32")
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--model", "--host", "--port", "--device", "--dtype", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--api-key",
+                 "--served-model-name"):
+        assert flag in help_text
