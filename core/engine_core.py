@@ -61,7 +61,6 @@ class EngineCore:
         self.runner.profiler = self.profiler
         self._finished_elsewhere: list[Request] = []
         self._in_flight = None  # the launched step whose tokens are not processed yet
-        self._penalised: set[str] = set()  # requests whose sampling needs every past token
         tokens = num_blocks * config.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); %.1f requests of the full "
                     "%d-token context fit", num_blocks, config.block_size, tokens,
@@ -93,8 +92,6 @@ class EngineCore:
         for child in children:
             if self.scheduler.add_request(child) is not None:
                 self._finished_elsewhere.append(child)
-            elif _needs_all_tokens(child.sampling_params):
-                self._penalised.add(child.request_id)
 
     def _child(self, request_id: str, index: int, prompt_token_ids: list[int],
                params: SamplingParams) -> Request:
@@ -117,7 +114,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._finished_elsewhere)
-                or self._in_flight is not None)
+                or self._in_flight is not None or self.scheduler.has_finished_to_report())
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -125,22 +122,18 @@ class EngineCore:
 
         With async scheduling, this step is launched before the previous one's tokens are
         processed, so the device computes while the host does the previous step's
-        bookkeeping; a request whose sampling needs every past token (penalties) makes the
-        step synchronous.
+        bookkeeping (the sampler counts tokens still on the device for penalties).
         """
         prof = self.profiler
         prof.start()
-        outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self._penalised & self.scheduler.requests.keys():
-            outputs = self._process(self._in_flight)
-            self._in_flight = None
         sched = self.scheduler.schedule()
         prof.lap("schedule")
         handle = self.runner.execute_model_async(sched)  # laps its own phases
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.config.async_scheduling:
-            previous, self._in_flight = self._in_flight, handle
-            return outputs + self._process(previous)
+            previous = self._in_flight
+            self._in_flight = None if sched.is_empty else handle
+            return self._process(previous)
         return self._process(handle)
 
     def _process(self, handle: StepHandle | None) -> list[RequestOutput]:
@@ -149,8 +142,6 @@ class EngineCore:
         self.profiler.lap("update")
         finished, self._finished_elsewhere = self._finished_elsewhere, []
         outputs = self.output_processor.process(updates, finished, self._stop)
-        if self._penalised:
-            self._penalised &= self.scheduler.requests.keys()
         self.profiler.lap("detokenize")
         return outputs
 
@@ -167,7 +158,3 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits, num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks)
 
-
-def _needs_all_tokens(params: SamplingParams) -> bool:
-    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0)

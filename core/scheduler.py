@@ -89,6 +89,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_to_report(self) -> bool:
+        """Finished requests the runner has not been told of by a ``schedule()`` yet."""
+        return bool(self._finished_ids)
+
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -184,7 +188,8 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.block_ids(request.request_id),
-                num_computed_tokens=num_hit, seed=request.sampling_params.seed))
+                num_computed_tokens=num_hit, seed=request.sampling_params.seed,
+                eos_token_id=request.eos_token_id))
             num_scheduled[request.request_id] = n
             budget -= n
         return budget

@@ -19,6 +19,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     seed: int | None  # per-request generator seed (the sampling seed, offset for n > 1)
+    eos_token_id: int | None = None  # masked with stop_token_ids while below min_tokens
 
 
 @dataclass

@@ -4,12 +4,16 @@ preallocated host arrays, updated from the scheduler's diffs rather than rebuilt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from core.sampling_params import SamplingParams
 from core.scheduler_output import CachedRequestData, NewRequestData
+
+if TYPE_CHECKING:
+    from gpu.sampling_metadata import RowSampling
 
 
 @dataclass
@@ -24,6 +28,8 @@ class CachedRequestState:
     num_blocks: int
     num_pending: int = 0  # sampled by a step whose result has not reached the host yet
     output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+    sampling: RowSampling | None = None  # the sampler's view of params, built on first use
 
 
 class InputBatch:
@@ -33,23 +39,27 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.states: dict[str, CachedRequestState] = {}
+        # Generators of preempted seeded requests: resumed where they stopped, so a seed gives
+        # the same tokens whether or not the request was preempted.
+        self._parked_generators: dict[str, torch.Generator] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, new: NewRequestData) -> None:
-        self.remove(new.req_id)  # a resumed request comes back in full
+        self.remove(new.req_id, keep_generator=True)  # a resumed request comes back in full
         row = self._free_rows.pop()
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.block_table[row, :len(new.block_ids)] = new.block_ids
-        generator = None
-        if new.seed is not None:
+        generator = self._parked_generators.pop(new.req_id, None)
+        if generator is None and new.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.seed)
         self.states[new.req_id] = CachedRequestState(
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens, num_tokens=n,
             num_computed_tokens=new.num_computed_tokens, params=new.sampling_params,
             generator=generator, num_blocks=len(new.block_ids),
-            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]))
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
+            eos_token_id=new.eos_token_id)
 
     def update(self, cached: CachedRequestData) -> None:
         state = self.states[cached.req_id]
@@ -60,10 +70,15 @@ class InputBatch:
             state.num_blocks += k
         state.num_computed_tokens = cached.num_computed_tokens
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, keep_generator: bool = False) -> None:
+        """Drop a request's row; ``keep_generator`` parks its generator for its return."""
         state = self.states.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            if keep_generator and state.generator is not None:
+                self._parked_generators[req_id] = state.generator
+        if not keep_generator:
+            self._parked_generators.pop(req_id, None)
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         if self.states.get(state.req_id) is not state:

@@ -4,7 +4,7 @@ calls the model over the paged KV cache, and samples where a next token is due."
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from core.outputs import TokenLogprobs
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
+from gpu.cuda_graphs import CudaGraphRunner
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype
@@ -49,6 +50,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 config.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.profiler = StepProfiler()
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self._last_index: dict[str, int] = {}
@@ -81,6 +83,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.profile_run()
+        torch.cuda.empty_cache()  # the profile's activations count once, in peak_extra
         free, total = torch.cuda.mem_get_info()
         used = total - free
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
@@ -89,7 +92,7 @@ class ModelRunner:
     def profile_run(self) -> None:
         """A forward at the largest token batch, to measure peak activation memory."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        self.allocate_kv_cache(-(-n // self.block_size))
+        self.allocate_kv_cache(-(-n // self.block_size), capture=False)
         cu, lens = [0, n], [n]
         num_blocks = -(-n // self.block_size)
         meta = AttentionMetadata(
@@ -106,7 +109,7 @@ class ModelRunner:
             self.model.compute_logits(hidden[: self.config.max_num_seqs]).float()
         self.kv_caches = []
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -114,6 +117,25 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        if capture:
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
+        """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
+        backend (the torch one reads lengths on the host), unless ``enforce_eager``."""
+        if self.device == "cpu" or self.config.enforce_eager:
+            return
+        if self.backend.name != "triton":
+            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
+            return
+        self.cuda_graphs = CudaGraphRunner(self._run_model, self.config.max_num_seqs,
+                                           self.max_blocks_per_req, self.max_model_len,
+                                           self.device)
+        self.cuda_graphs.capture()
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     # -- one step -----------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -129,14 +151,19 @@ class ModelRunner:
             return StepHandle(self.batch, [], None)
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(inputs.meta):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_states:
             prof.lap("forward")
             return StepHandle(self.batch, [], None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         prof.lap("forward")
         meta = build_sampling_metadata(self.batch, inputs.sampling_states,
-                                       self.model_config.vocab_size, logits.device)
+                                       self.model_config.vocab_size, logits.device,
+                                       in_flight=(self._last_sampled, self._last_index))
         sampled = self.sampler(logits, meta)
         self._last_sampled = sampled.sampled_token_ids
         self._last_index = {s.req_id: i for i, s in enumerate(inputs.sampling_states)}
@@ -146,7 +173,9 @@ class ModelRunner:
         return StepHandle(self.batch, inputs.sampling_states, sampled)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+        for req_id in sched.preempted_req_ids:
+            self.batch.remove(req_id, keep_generator=True)
+        for req_id in sched.finished_req_ids:
             self.batch.remove(req_id)
         for new in sched.scheduled_new_reqs:
             self.batch.add(new)
@@ -178,19 +207,19 @@ class ModelRunner:
                               count=len(states))
         sampling = np.nonzero(seq_lens >= known + pending)[0]
         logits_indices = cu[1:][sampling] - 1
-        dev = self.device
-        input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        to_dev = self._to_device
+        input_ids_dev = to_dev(input_ids)
         unknown = np.nonzero(positions >= known[req_of_token])[0]
         if unknown.size:  # sampled by the step in flight: still on the device
             src = [self._last_index[states[r].req_id] for r in req_of_token[unknown]]
-            input_ids_dev[torch.from_numpy(unknown).to(dev)] = self._last_sampled[
-                torch.tensor(src, device=dev)]
+            input_ids_dev[to_dev(unknown)] = self._last_sampled[
+                to_dev(np.asarray(src, dtype=np.int64))]
         meta = AttentionMetadata(
             num_actual_tokens=int(cu[-1]),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=to_dev(cu.astype(np.int32)),
+            seq_lens=to_dev(seq_lens.astype(np.int32)),
+            block_table=to_dev(np.ascontiguousarray(block_table)),
+            slot_mapping=to_dev(slots),
             max_query_len=int(num_new.max()),
             max_seq_len=max_seq,
             query_start_loc_cpu=cu.tolist(),
@@ -198,11 +227,20 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=input_ids_dev,
-            positions=torch.from_numpy(positions).to(dev),
+            positions=to_dev(positions),
             meta=meta,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            logits_indices=to_dev(logits_indices),
             sampling_states=[states[i] for i in sampling],
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without a sync: staged in pinned memory and copied
+        with ``non_blocking`` (the caching host allocator holds the staging buffer until the
+        copy has run)."""
+        tensor = torch.from_numpy(array)
+        if self.device == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
 
 class StepHandle:
@@ -215,14 +253,11 @@ class StepHandle:
         self._event = None
         if sampled is None:
             return
-        ids = sampled.sampled_token_ids
-        if ids.is_cuda:
-            self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host_ids.copy_(ids, non_blocking=True)
+        if sampled.sampled_token_ids.is_cuda:  # every tensor of it, so reading none syncs
+            self.sampled = sampled = _copy_to_pinned(sampled)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host_ids = ids
+        self._host_ids = sampled.sampled_token_ids
 
     def result(self) -> ModelRunnerOutput:
         if self.sampled is None:
@@ -238,6 +273,17 @@ class StepHandle:
             sampled_token_ids=[[t] for t in token_ids],
             logprobs=_logprobs_lists(self.states, self.sampled),
         )
+
+
+def _copy_to_pinned(sampled: SamplerOutput) -> SamplerOutput:
+    """The sampler's device tensors, copied to pinned host memory without blocking."""
+    host = {}
+    for f in fields(sampled):
+        value = getattr(sampled, f.name)
+        if isinstance(value, torch.Tensor):
+            host[f.name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host[f.name].copy_(value, non_blocking=True)
+    return replace(sampled, **host)
 
 
 def _logprobs_lists(states: list[CachedRequestState],
