@@ -70,7 +70,7 @@ def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
     if not api_key:
         return True
     header = websocket.headers.get("authorization", "")
-    given = header[7:] if header[:7].lower() == "bearer " else websocket.query_params.get(
+    given = header[7:].strip() if header[:7].lower() == "bearer " else websocket.query_params.get(
         "api_key", "")
     return hmac.compare_digest(given.encode(), api_key.encode())
 
@@ -157,7 +157,7 @@ class ChatSocket:
         if turn is None or turn.cancelled:
             return
         turn.cancelled = True
-        pass  # MUTANT
+        self.state.engine.abort(turn.id)
 
     async def _drop_turn(self) -> None:
         """The socket closed: cancel the turn's task, which aborts its request."""
@@ -208,21 +208,24 @@ class ChatSocket:
                 tracker.observe(out)
                 turn.num_cached_tokens = max(turn.num_cached_tokens, out.num_cached_tokens)
                 for choice in out.outputs:
-                    await self._forward(turn, prep, choice)
+                    if await self._forward(turn, prep, choice):
+                        tracker.sent()
 
     async def _forward(self, turn: Turn, prep: PreparedRequest, choice: CompletionOutput
-                       ) -> None:
+                       ) -> bool:
+        """Send one choice's delta as a delta frame; ``False`` if it had nothing to send."""
         turn.num_tokens += len(choice.token_ids)
         if choice.finish_reason is not None:
             turn.finish_reasons[choice.index] = choice.finish_reason
         if not choice.text and not choice.token_ids:
-            return
+            return False
         frame: dict[str, Any] = {"type": "delta", "id": turn.id, "index": choice.index,
                                  "text": choice.text, "num_tokens": len(choice.token_ids)}
         if prep.logprobs:
             frame["logprobs"] = chat_logprobs(self.state, choice.token_ids, choice.logprobs,
                                               prep.top_logprobs)
         await self._send(frame)
+        return True
 
     def _done_frame(self, turn: Turn, prep: PreparedRequest) -> dict[str, Any]:
         reasons = [turn.finish_reasons.get(i, "abort") for i in range(prep.params.n)]

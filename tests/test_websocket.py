@@ -1,0 +1,492 @@
+"""The websocket chat at /v1/chat/ws.
+
+The first tests drive the handler in-process against a scripted engine, so the order of
+events (a cancel frame, the socket closing) is exact. The rest start the real server process
+on a tiny model and talk to it with the ``websockets`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from starlette.applications import Starlette
+from starlette.routing import Route, WebSocketRoute
+from starlette.testclient import TestClient
+
+from app.chat_template import ChatTemplate
+from app.metrics import ServerMetrics
+from app.state import ServerSettings, ServerState
+from app.websocket import chat_page, chat_websocket
+from core.async_engine import EngineDeadError
+from core.outputs import CompletionOutput, RequestOutput
+from core.sampling_params import SamplingParams
+
+# A stuck stream must fail its test, not stall the suite.
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+WS_PATH = "/v1/chat/ws"
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+# -- in-process, against a scripted engine ---------------------------------------------------
+class ScriptedEngine:
+    """Streams ``t0 t1 ...`` one token per delta. With ``hold=True`` it stops after the first
+    token and waits for ``abort`` (which ends the stream with ``finish_reason="abort"``) or
+    for its consumer to leave."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.hold = hold
+        self.fail: str | None = None  # "dead": the engine is gone; "error": the request fails
+        self.aborted: list[str] = []
+        self.closed: list[str] = []
+        self.started: list[str] = []
+        self._abort_events: dict[str, asyncio.Event] = {}
+
+    def abort(self, *request_ids: str) -> None:
+        self.aborted.extend(request_ids)
+        for rid in request_ids:
+            event = self._abort_events.get(rid)
+            if event is not None:
+                event.set()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, prompt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        self.started.append(request_id)
+        self._abort_events[request_id] = event = asyncio.Event()
+        if self.fail == "dead":
+            raise EngineDeadError("the engine was shut down")
+        if self.fail == "error":
+            out = _delta(request_id, prompt_token_ids, params.n, "", None, "error")
+            out.error = "the model produced garbage"
+            yield out
+            return
+        try:
+            for i in range(params.max_tokens):
+                last = i == params.max_tokens - 1
+                yield _delta(request_id, prompt_token_ids, params.n, f"t{i} ", i,
+                             "length" if last else None)
+                if self.hold:
+                    await event.wait()
+                    yield _delta(request_id, prompt_token_ids, params.n, "", None, "abort")
+                    return
+                await asyncio.sleep(0)
+        finally:
+            self.closed.append(request_id)
+
+
+def _delta(request_id: str, prompt_ids: list[int], n: int, text: str, token: int | None,
+           reason: str | None) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, text=text, token_ids=[] if token is None else [token],
+                                finish_reason=reason) for i in range(n)]
+    return RequestOutput(request_id, None, prompt_ids, outputs, finished=reason is not None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from gpu.random_model import build_tokenizer
+    return build_tokenizer()
+
+
+def _client(tokenizer: Any, engine: ScriptedEngine, api_key: str | None = None,
+            max_request_bytes: int = 1 << 20) -> TestClient:
+    app = Starlette(routes=[Route("/", chat_page), WebSocketRoute(WS_PATH, chat_websocket)])
+    app.state.tidal = ServerState(
+        engine=engine, tokenizer=tokenizer,
+        settings=ServerSettings(served_model_name="tiny", api_key=api_key,
+                                max_request_bytes=max_request_bytes),
+        metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
+        max_model_len=512, vocab_size=len(tokenizer), kv_capacity_tokens=4096)
+    return TestClient(app)
+
+
+def _turn(ws: Any) -> tuple[list[dict], dict]:
+    """Frames up to and including the turn's terminal frame."""
+    deltas = []
+    while True:
+        frame = ws.receive_json()
+        if frame["type"] == "delta":
+            deltas.append(frame)
+        else:
+            return deltas, frame
+
+
+def test_scripted_turns_stream_deltas_then_done(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine) as client, client.websocket_connect(WS_PATH) as ws:
+        ids = []
+        for max_tokens in (3, 5):
+            ws.send_json({"messages": HELLO, "max_tokens": max_tokens})
+            deltas, done = _turn(ws)
+            assert done["type"] == "done", done
+            assert [d["text"] for d in deltas] == [f"t{i} " for i in range(max_tokens)]
+            assert {d["id"] for d in deltas} == {done["id"]}
+            assert done["finish_reason"] == "length" and done["model"] == "tiny"
+            prompt_tokens = len(tokenizer.encode(
+                ChatTemplate.for_tokenizer(tokenizer).render(HELLO), add_special_tokens=False))
+            assert done["usage"] == {
+                "prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                "total_tokens": prompt_tokens + max_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+            ids.append(done["id"])
+        assert ids[0] != ids[1] and engine.started == ids and engine.aborted == []
+
+
+def test_scripted_n_choices_are_indexed(tokenizer: Any) -> None:
+    with _client(tokenizer, ScriptedEngine()) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"type": "chat", "messages": HELLO, "max_tokens": 2, "n": 3})
+        deltas, done = _turn(ws)
+        assert sorted((d["index"], d["text"]) for d in deltas) == sorted(
+            (i, f"t{t} ") for i in range(3) for t in range(2))
+        assert done["choices"] == [{"index": i, "finish_reason": "length"} for i in range(3)]
+        assert done["usage"]["completion_tokens"] == 6
+
+
+def test_scripted_cancel_aborts_the_turn_in_flight(tokenizer: Any) -> None:
+    engine = ScriptedEngine(hold=True)
+    with _client(tokenizer, engine) as client, client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": HELLO, "max_tokens": 50})
+        first = ws.receive_json()
+        assert first["type"] == "delta" and first["text"] == "t0 "
+        ws.send_json({"messages": HELLO})  # one turn at a time
+        busy = ws.receive_json()
+        assert busy["type"] == "error" and busy["error"]["code"] == "turn_in_flight"
+        ws.send_json({"type": "cancel"})
+        deltas, done = _turn(ws)
+        assert deltas == [] and done["type"] == "done" and done["id"] == first["id"]
+        assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] == 1
+        assert engine.aborted == [first["id"]]
+        ws.send_json({"type": "cancel"})  # nothing in flight: ignored
+        engine.hold = False
+        ws.send_json({"messages": HELLO, "max_tokens": 2})
+        deltas, done = _turn(ws)
+        assert done["finish_reason"] == "length" and len(deltas) == 2
+        assert engine.aborted == [first["id"]]
+
+
+def test_scripted_closing_the_socket_leaves_the_stream(tokenizer: Any) -> None:
+    engine = ScriptedEngine(hold=True)
+    with _client(tokenizer, engine) as client:
+        with client.websocket_connect(WS_PATH) as ws:
+            ws.send_json({"messages": HELLO, "max_tokens": 50})
+            first = ws.receive_json()
+            assert first["type"] == "delta"
+        # Leaving the socket cancels the turn's task, which closes the engine's stream
+        # (the real engine aborts the request there).
+        deadline = time.monotonic() + 10
+        while not engine.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.closed == [first["id"]]
+
+
+@pytest.mark.parametrize("frame, param, code", [
+    ("not json", None, "invalid_frame"),
+    ("[1, 2]", None, "invalid_frame"),
+    ('{"type": "launch"}', "type", "invalid_frame"),
+    ('{"max_tokens": 4}', "messages", None),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role", None),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}', "temperature",
+     None),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', "max_tokens",
+     "context_length_exceeded"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "model": "other"}', "model",
+     "model_not_found"),
+])
+def test_scripted_bad_frames_get_an_error_frame_and_the_socket_keeps_working(
+        tokenizer: Any, frame: str, param: str | None, code: str | None) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine) as client, client.websocket_connect(WS_PATH) as ws:
+        ws.send_text(frame)
+        error = ws.receive_json()
+        assert error["type"] == "error", error
+        assert error["error"]["param"] == param and error["error"]["code"] == code
+        assert error["error"]["message"] and error["error"]["type"] == "invalid_request_error"
+        assert engine.started == []
+        ws.send_json({"messages": HELLO, "max_tokens": 2})
+        _, done = _turn(ws)
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
+
+
+def test_scripted_engine_failures_end_the_turn_with_an_error_frame(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine) as client, client.websocket_connect(WS_PATH) as ws:
+        for fail, status_type in (("dead", "service_unavailable"), ("error", "server_error")):
+            engine.fail = fail
+            ws.send_json({"messages": HELLO, "max_tokens": 3})
+            deltas, error = _turn(ws)
+            assert deltas == [] and error["type"] == "error", error
+            assert error["id"] == engine.started[-1]
+            assert error["error"]["type"] == status_type and error["error"]["message"]
+        engine.fail = None
+        ws.send_json({"messages": HELLO, "max_tokens": 3})
+        assert _turn(ws)[1]["usage"]["completion_tokens"] == 3
+
+
+def test_scripted_oversized_frame_is_refused(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine, max_request_bytes=300) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": [{"role": "user", "content": "é" * 200}]})
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["error"]["code"] == "request_too_large"
+        assert engine.started == []
+        ws.send_json({"messages": HELLO, "max_tokens": 1})
+        assert _turn(ws)[1]["type"] == "done"
+
+
+def test_scripted_api_key(tokenizer: Any) -> None:
+    with _client(tokenizer, ScriptedEngine(), api_key="sesame") as client:
+        for path, headers in ((WS_PATH, {}), (WS_PATH + "?api_key=wrong", {}),
+                              (WS_PATH, {"Authorization": "Bearer wrong"})):
+            with client.websocket_connect(path, headers=headers) as ws:
+                error = ws.receive_json()
+                assert error["type"] == "error" and error["error"]["code"] == "invalid_api_key"
+                with pytest.raises(Exception) as closed:
+                    ws.receive_json()
+                assert getattr(closed.value, "code", None) == 1008
+        for path, headers in ((WS_PATH + "?api_key=sesame", {}),
+                              (WS_PATH, {"Authorization": "Bearer sesame"})):
+            with client.websocket_connect(path, headers=headers) as ws:
+                ws.send_json({"messages": HELLO, "max_tokens": 1})
+                assert _turn(ws)[1]["type"] == "done"
+
+
+def test_scripted_page_is_served(tokenizer: Any) -> None:
+    with _client(tokenizer, ScriptedEngine()) as client:
+        resp = client.get("/")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
+    assert WS_PATH in resp.text and "tiny" in resp.text
+    assert "http://" not in resp.text and "https://" not in resp.text  # nothing from the net
+
+
+# -- the real server process -------------------------------------------------------------------
+LONG = 1500  # more tokens than a reply can produce before a cancel lands
+LONG_REQUEST = {"messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, log_path: Path, *extra: str,
+                   timeout: float = 300.0) -> Iterator[str]:
+    """``python -m app serve`` on a free port; yields its base URL once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port",
+           str(port), "--kv-cache-memory", "64MiB", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n"
+                                   + log_path.read_text()[-4000:])
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy:\n"
+                                   + log_path.read_text()[-4000:])
+            time.sleep(0.2)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def build_chat_model(path: Path) -> Path:
+    """A tiny random Llama with room for ``LONG`` generated tokens."""
+    from gpu.random_model import build_model_dir
+    return build_model_dir(path, "llama", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("ws-server")
+    with running_server(build_chat_model(tmp / "model"), tmp / "server.log") as base:
+        yield base
+
+
+def metrics(base: str) -> dict[str, float]:
+    """``/metrics`` samples by name with labels, e.g.
+    ``tidal:request_success_total{finished_reason="abort"}``."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(tidal:\S+?(?:\{[^}]*\})?) (\S+)", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def wait_until_idle(base: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no KV block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        if (m["tidal:num_requests_running"] == m["tidal:num_requests_waiting"] == 0
+                and m["tidal:kv_cache_used_blocks"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"the engine is still busy: {m}"
+        time.sleep(0.05)
+
+
+def aborted(m: dict[str, float]) -> float:
+    return m.get('tidal:request_success_total{finished_reason="abort"}', 0.0)
+
+
+def finished(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("tidal:request_success_total{"))
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + WS_PATH
+
+
+async def recv(ws: Any) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 120))
+
+
+async def turn_frames(ws: Any) -> tuple[list[dict], dict]:
+    deltas = []
+    while True:
+        frame = await recv(ws)
+        if frame["type"] != "delta":
+            return deltas, frame
+        deltas.append(frame)
+
+
+def http_chat(base: str, body: dict) -> dict:
+    request = urllib.request.Request(base + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.integration
+async def test_multi_turn_on_one_socket_matches_http_greedy(server: str) -> None:
+    before = wait_until_idle(server)
+    messages = list(HELLO)
+    params = {"max_tokens": 12, "temperature": 0}
+    generated = 0
+    async with websockets.connect(ws_url(server)) as ws:
+        ids = set()
+        for follow_up in ("Tell me more.", "And then?"):
+            await ws.send(json.dumps({"messages": messages, **params}))
+            deltas, done = await turn_frames(ws)
+            assert done["type"] == "done", done
+            assert {d["id"] for d in deltas} == {done["id"]} and done["id"] not in ids
+            ids.add(done["id"])
+            text = "".join(d["text"] for d in deltas)
+            assert text and done["usage"]["completion_tokens"] > 0
+            assert sum(d["num_tokens"] for d in deltas) == done["usage"]["completion_tokens"]
+            reference = http_chat(server, {"model": done["model"], "messages": messages,
+                                           **params})
+            assert text == reference["choices"][0]["message"]["content"]
+            assert done["finish_reason"] == reference["choices"][0]["finish_reason"]
+            assert done["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+            assert done["usage"]["completion_tokens"] == \
+                reference["usage"]["completion_tokens"]
+            generated += done["usage"]["completion_tokens"]
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": follow_up}]
+    # Websocket turns are counted in /metrics like HTTP requests (each turn ran twice).
+    after = wait_until_idle(server)
+    assert finished(after) == finished(before) + 4
+    assert after["tidal:generation_tokens_total"] == \
+        before["tidal:generation_tokens_total"] + 2 * generated
+
+
+@pytest.mark.integration
+async def test_cancel_frame_aborts_the_turn_and_frees_its_blocks(server: str) -> None:
+    before = aborted(wait_until_idle(server))
+    async with websockets.connect(ws_url(server)) as ws:
+        await ws.send(json.dumps(LONG_REQUEST))
+        first = await recv(ws)
+        assert first["type"] == "delta", first
+        await ws.send(json.dumps({"messages": HELLO}))  # one turn at a time
+        streamed, busy = await turn_frames(ws)  # the reply goes on streaming meanwhile
+        assert busy["type"] == "error" and busy["error"]["code"] == "turn_in_flight", busy
+        assert "id" not in busy
+        await ws.send(json.dumps({"type": "cancel"}))
+        deltas, done = await turn_frames(ws)
+        assert done["type"] == "done" and done["id"] == first["id"], done
+        assert done["finish_reason"] == "abort"
+        assert {d["id"] for d in streamed + deltas} <= {first["id"]}
+        generated = sum(d["num_tokens"] for d in [first, *streamed, *deltas])
+        assert generated == done["usage"]["completion_tokens"] < LONG
+        m = wait_until_idle(server)
+        assert aborted(m) == before + 1
+        # The socket carries on with the next turn.
+        await ws.send(json.dumps({"messages": HELLO, "max_tokens": 3, "ignore_eos": True}))
+        deltas, done = await turn_frames(ws)
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 3
+    assert aborted(wait_until_idle(server)) == before + 1
+
+
+@pytest.mark.integration
+async def test_closing_the_socket_mid_turn_aborts_it(server: str) -> None:
+    before = aborted(wait_until_idle(server))
+    for _ in range(3):
+        async with websockets.connect(ws_url(server)) as ws:
+            await ws.send(json.dumps(LONG_REQUEST))
+            assert (await recv(ws))["type"] == "delta"
+    # Each request was aborted, not run to its end: the handler saw no finish reason.
+    assert aborted(wait_until_idle(server)) == before + 3
+
+
+@pytest.mark.integration
+async def test_bad_requests_get_error_frames_and_the_socket_keeps_working(server: str
+                                                                           ) -> None:
+    bad = [
+        ("{oops", None, 400),
+        (json.dumps({"messages": []}), "messages", 400),
+        (json.dumps({"messages": HELLO, "top_p": 7}), "top_p", 400),
+        (json.dumps({"messages": [{"role": "user", "content": "hi " * 3000}]}), "messages",
+         400),
+        (json.dumps({"messages": HELLO, "model": "no-such-model"}), "model", 404),
+    ]
+    async with websockets.connect(ws_url(server)) as ws:
+        for frame, param, status in bad:
+            await ws.send(frame)
+            error = await recv(ws)
+            assert error["type"] == "error", (frame, error)
+            assert error["error"]["param"] == param and error["error"]["message"]
+            if status == 404:
+                assert error["error"]["code"] == "model_not_found"
+            await ws.send(json.dumps({"messages": HELLO, "max_tokens": 2, "ignore_eos": True}))
+            deltas, done = await turn_frames(ws)
+            assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
+    with urllib.request.urlopen(server + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    wait_until_idle(server)
