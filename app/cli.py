@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching,
                        help="reuse the KV cache of shared prompt prefixes")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="GPU: run decode steps eagerly, without CUDA graphs")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None, help="schedule step N+1 while step N runs on the device "
+                       "(default: on GPU only)")
+    serve.add_argument("--attention-backend", default=defaults.attention_backend,
+                       choices=["auto", "torch", "triton"],
+                       help="'auto' is torch on CPU and triton on GPU")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1 requests")
     serve.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
@@ -148,7 +156,8 @@ def serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching)
+            enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling, attention_backend=args.attention_backend)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2

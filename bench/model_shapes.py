@@ -1,0 +1,94 @@
+"""Random-weight model directories in the shapes of real models, for GPU benchmarks.
+
+Weights are drawn straight into the checkpoint's dtype (no float32 model in between), so a
+1B-parameter directory takes seconds. The tokenizer is the random-model byte-level BPE padded
+to the model's vocabulary, so every id the model can sample decodes. ``tiny=True`` keeps the
+architecture and shrinks every size, for CPU smoke runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from gpu.random_model import build_tokenizer
+
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
+        rms_norm_eps=1e-6),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=1024)
+
+
+def shape_settings(name: str, tiny: bool = False) -> dict:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    settings = dict(SHAPES[name])
+    if tiny:
+        settings.update(TINY)
+    return settings
+
+
+def build_shaped_model_dir(path: str | Path, name: str, tiny: bool = False,
+                           dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+    """A model directory of shape ``name`` under ``path`` (reused if already built)."""
+    path = Path(path)
+    if all((path / f).is_file() for f in ("model.safetensors", "config.json",
+                                          "tokenizer.json")):  # written last
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    settings = shape_settings(name, tiny)
+    tokenizer = build_tokenizer(settings["vocab_size"])
+    settings["vocab_size"] = max(settings["vocab_size"], len(tokenizer))
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **settings)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for param_name, p in skeleton.state_dict().items():
+        if config.tie_word_embeddings and param_name == "lm_head.weight":
+            continue
+        tensors[param_name] = _random_weight(param_name, p.shape, dtype, device, gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures = [type(skeleton).__name__]
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, device: str,
+                   gen: torch.Generator) -> torch.Tensor:
+    if "norm" in name:
+        return torch.ones(shape, dtype=dtype)
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    return (t * (0.02 if len(shape) > 1 else 0.01)).to(dtype).cpu()
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied embedding once, as
+    the output head; the embedding lookup itself reads a few rows only)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.data_ptr() in seen or name.endswith("embed_tokens.weight"):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total

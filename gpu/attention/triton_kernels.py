@@ -1,0 +1,372 @@
+"""Triton kernels over the paged KV cache, and the Python launchers that size their grids.
+
+Three jobs (layout in ``gpu.attention.metadata``):
+
+- ``write_kv``: store a step's keys and values at their slots; slot ``-1`` is padding, skipped.
+- ``paged_decode``: one query token per request (a decode-only step). A program owns one
+  (request, KV head, split): it loads each K/V tile once for all the query heads of its GQA
+  group. Long contexts are split over several programs (flash-decoding); each writes a partial
+  output and its log-sum-exp, and a second kernel merges them. The number of splits is a launch
+  constant while the split length follows each request's ``seq_len`` on the device, so one
+  launch (or one captured CUDA graph) serves any context length.
+- ``paged_prefill``: variable-length query chunks (prefill, chunked prefill, mixed batches with
+  decode rows). A program owns a tile of one request's query tokens for one KV head, with the
+  GQA group's heads packed into the tile's rows, and attends causally over everything in the
+  request's blocks: prefix-cache hits, earlier chunks and the chunk itself (``write_kv`` has
+  already stored it).
+
+Softmax runs in base 2 (``exp2``) with the scale folded into the scores, accumulating in
+float32. Without CUDA, the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
+unless the environment says otherwise), which is how the CPU tests exercise them.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+MAX_DECODE_SPLITS = 32
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
+MIN_DOT = 16  # tl.dot wants every dimension >= 16 on the GPU
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                     k_stride_t, k_stride_h, v_stride_t, v_stride_h, c_stride_slot, c_stride_h,
+                     num_kv_heads, head_dim,
+                     HEADS: tl.constexpr, DIM: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, DIM)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    dst = slot * c_stride_slot + h * c_stride_h + d
+    k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + t * v_stride_t + v_stride_h * h + d, mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (rows past
+    ``len(slot_mapping)`` ignored) at their slots of the ``[blocks, block_size, kv_heads,
+    head_dim]`` caches."""
+    _check_cache(key_cache, value_cache)
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    _, _, kvh, dim = key_cache.shape
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(1), key_cache.stride(2), kvh, dim,
+        HEADS=triton.next_power_of_2(kvh), DIM=triton.next_power_of_2(dim))
+
+
+# --------------------------------------------------------------------------------------
+# decode: split-K paged attention and the merge of the splits
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+                   out_ptr, mid_o_ptr, mid_lse_ptr, scale,
+                   q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                   c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                   mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
+                   group, head_dim, num_splits,
+                   BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + r)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM)
+    heads = kvh * group + g
+    g_mask = g < group
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + r * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if not SPLIT:
+        tl.store(out_ptr + r * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        mo = r * mo_stride_r + heads[:, None] * mo_stride_h + split * mo_stride_s + d[None, :]
+        tl.store(mid_o_ptr + mo, o, mask=o_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(mid_lse_ptr + r * ml_stride_r + heads * ml_stride_h + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
+                         mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
+                         o_stride_t, o_stride_h, head_dim, num_splits,
+                         SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM)
+    s_mask = s < num_splits
+    d_mask = d < head_dim
+    lse = tl.load(mid_lse_ptr + r * ml_stride_r + h * ml_stride_h + s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    o = tl.load(mid_o_ptr + r * mo_stride_r + h * mo_stride_h + s[:, None] * mo_stride_s
+                + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + r * o_stride_t + h * o_stride_h + d, res.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, but none shorter than
+    ``MIN_SPLIT_TOKENS`` of the longest context. Depends only on host values, so a CUDA graph
+    captured with ``max_seq_len`` = the model's context length serves every shorter one."""
+    wanted = -(-2 * _num_sms(device) // max(1, num_reqs * num_kv_heads))
+    by_length = -(-max_seq_len // MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, by_length, MAX_DECODE_SPLITS))
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 max_seq_len: int, out: torch.Tensor | None = None,
+                 num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Attention of query row ``i`` (``[num_reqs, heads, head_dim]``) over the first
+    ``seq_lens[i]`` tokens of request ``i``'s blocks. A request with ``seq_len`` 0 (padding)
+    gets zeros."""
+    _check_cache(key_cache, value_cache)
+    query = _last_dim_contiguous(query)
+    num_reqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[2]
+    _, block_size, kvh, _ = key_cache.shape
+    group = num_heads // kvh
+    out = torch.empty_like(query) if out is None else out
+    if num_reqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(num_reqs, kvh, max_seq_len, query.device)
+    block_n = block_n or _default_block_n(block_size)
+    dim = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        mid_o = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                            device=query.device)
+        mid_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32,
+                              device=query.device)
+    else:  # unused: the kernel writes the output directly
+        mid_o = mid_lse = out
+    _decode_kernel[(num_reqs, kvh, num_splits)](
+        query, key_cache, value_cache, block_table, seq_lens, out, mid_o, mid_lse,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        group, head_dim, num_splits,
+        BLOCK_SIZE=block_size, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=_precision(query),
+        UPCAST=_upcast(key_cache))
+    if num_splits > 1:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), head_dim,
+            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), DIM=dim)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# prefill and mixed batches: varlen causal attention over the paged cache
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr,
+                    query_start_loc_ptr, scale,
+                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                    c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                    group, head_dim,
+                    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    r = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + r)
+    q_len = tl.load(query_start_loc_ptr + r + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r)
+    num_cached = seq_len - q_len
+
+    # row i of the tile: query token i // GROUP_PAD, head i % GROUP_PAD of the KV head's group
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile * BLOCK_Q + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    d = tl.arange(0, DIM)
+    d_mask = d < head_dim
+    row_mask = (tok < q_len) & (g < group)
+    heads = kvh * group + g
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * q_stride_t + heads[:, None] * q_stride_h
+                + d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = num_cached + tok
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
+    kv_end = tl.minimum(seq_len, num_cached + (q_tile + 1) * BLOCK_Q)
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < kv_end
+        blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * o_stride_t + heads[:, None] * o_stride_h
+             + d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                  out: torch.Tensor | None = None, block_q: int | None = None,
+                  block_n: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's query rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` (its last tokens) over its ``seq_lens[i]``
+    cached tokens. Rows outside every request are left as they are in ``out``."""
+    _check_cache(key_cache, value_cache)
+    query = _last_dim_contiguous(query)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, kvh, _ = key_cache.shape
+    group = num_heads // kvh
+    out = torch.empty_like(query) if out is None else out
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    group_pad = triton.next_power_of_2(group)
+    if block_q is None:  # about 64 rows per tile (16 at least, for tl.dot)
+        block_q = max(1, 64 // group_pad)
+    block_q = max(block_q, -(-MIN_DOT // group_pad))
+    block_q = min(block_q, max(triton.next_power_of_2(max_query_len), -(-MIN_DOT // group_pad)))
+    block_n = block_n or _default_block_n(block_size)
+    grid = (num_reqs, -(-max_query_len // block_q), kvh)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        group, head_dim,
+        BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        DIM=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
+        PRECISION=_precision(query), UPCAST=_upcast(key_cache))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+def _default_block_n(block_size: int) -> int:
+    """Keys per tile: 64 on the GPU; 16 in the interpreter, where padding costs numpy time."""
+    return MIN_DOT if interpreting() else max(64, min(block_size, 128))
+
+
+def _precision(query: torch.Tensor) -> str:
+    """float32 keeps full precision (Triton would use TF32); bf16/fp16 ignore the setting."""
+    return "ieee" if query.dtype == torch.float32 else "tf32"
+
+
+def _upcast(cache: torch.Tensor) -> bool:
+    """The interpreter's ``tl.dot`` misreads bfloat16 operands: give it float32 there."""
+    return interpreting() and cache.dtype == torch.bfloat16
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous "
+                         "[num_blocks, block_size, num_kv_heads, head_dim] tensors")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key and value caches differ in shape: {tuple(key_cache.shape)} "
+                         f"vs {tuple(value_cache.shape)}")
+
+
+__all__ = ["decode_num_splits", "interpreting", "paged_decode", "paged_prefill", "write_kv"]

@@ -1,0 +1,123 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step launches a few hundred small kernels whose launch time, not their work, bounds
+the step at small batches. Each padded batch size (1, 2, 4, 8, then steps of 16 up to
+``max_num_seqs``) gets one graph of the model's forward, captured once after the KV cache is
+allocated. All graphs read the same static input buffers (token ids, positions, sequence
+lengths, block table, slot mapping) and share one memory pool, largest captured first.
+
+A step is replayed at the smallest captured size that holds its requests; the padded requests
+have ``seq_len`` 0 and slot ``-1``, so they read and write no KV cache. Graph capture bakes in
+every host-side value, so the attention backend must read lengths only from device tensors:
+the Triton backend does (its decode split count follows ``max_seq_len``, which capture sets to
+the model's context length). Prefill and mixed steps, and decode batches above the largest size,
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from gpu.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs`` (rounded up to 16)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    if max_num_seqs > 8:
+        sizes += list(range(16, -(-max_num_seqs // 16) * 16 + 1, 16))
+    return sizes
+
+
+class CudaGraphRunner:
+    """Captures ``forward(input_ids, positions, meta) -> hidden`` at padded batch sizes and
+    replays it for decode-only steps."""
+
+    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
+                 max_model_len: int, device: str) -> None:
+        self.forward = forward
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        with torch.device(device):
+            self.input_ids = torch.zeros(n, dtype=torch.long)
+            self.positions = torch.zeros(n, dtype=torch.long)
+            self.seq_lens = torch.zeros(n, dtype=torch.int32)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+            self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.long)
+        self.graphs: dict[int, Replayable] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return bool(self.graphs) and meta.is_decode_only and meta.num_reqs <= self.max_size
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            meta = self._static_meta(size)
+            self.forward(self.input_ids[:size], self.positions[:size], meta)  # compile, warm
+            self.graphs[size], self.outputs[size] = self._capture_one(size, meta)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+                    len(self.graphs), self.sizes, time.perf_counter() - start)
+
+    def _capture_one(self, size: int, meta: AttentionMetadata) -> tuple[Replayable, torch.Tensor]:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.forward(self.input_ids[:size], self.positions[:size], meta)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Copy a decode step's inputs into the static buffers (device to device, no sync),
+        replay the graph of the smallest size that fits, and return its hidden states."""
+        n = meta.num_reqs
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[n:size].zero_()
+        width = meta.block_table.shape[1]
+        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
+        self.slot_mapping[n:size].fill_(-1)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+    def _static_meta(self, size: int) -> AttentionMetadata:
+        """The metadata the graph of ``size`` is captured with: views of the static buffers,
+        and the longest context as ``max_seq_len`` so its launch shapes fit every step."""
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+        )

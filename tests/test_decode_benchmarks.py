@@ -1,0 +1,52 @@
+"""The GPU decode benchmarks' smoke mode on the CPU: tiny models in the real shapes'
+architectures, every measurement taken, results written. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import bench.common
+from bench import decode_roofline, overlap
+from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
+from gpu.model_config import ModelConfig
+
+
+def test_shaped_model_dirs_keep_the_architecture(tmp_path):
+    path = build_shaped_model_dir(tmp_path / "llama", "llama-3.2-1b", tiny=True,
+                                  dtype=torch.float32)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.tie_word_embeddings
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_theta == 500000.0
+    assert cfg.num_heads // cfg.num_kv_heads == 2
+
+
+def test_weight_bytes_count_a_tied_head_once():
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(10, 4)
+    model.lm_head = torch.nn.Linear(4, 10, bias=False)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    assert weight_bytes(model) == (40 + 16) * 4
+    model.lm_head.weight = model.embed_tokens.weight
+    assert weight_bytes(model) == (40 + 16) * 4
+
+
+@pytest.mark.slow
+def test_decode_roofline_and_overlap_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    common = ["--device", "cpu", "--tiny", "--batches", "1,3", "--steps", "3", "--warmup",
+              "1", "--context", "20", "--model-root", str(tmp_path / "models")]
+    path = decode_roofline.main(common)
+    result = json.loads(path.read_text())
+    assert path.name == "decode_roofline-cpu-tiny.json"
+    assert set(result["shapes"]) == set(SHAPES)
+    for shape in result["shapes"].values():
+        assert [r["batch"] for r in shape["rows"]] == [1, 3]
+        assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in shape["rows"])
+
+    path = overlap.main(common)
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["step_ms_overlap_on"] > 0 and r["gpu_ms"] > 0 for r in rows)
