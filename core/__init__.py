@@ -1,7 +1,7 @@
 """tidal's engine logic: requests, scheduling, the KV block manager, the engine loop and the
 offline ``LLM`` API. Plain Python: everything that touches tensors lives in ``gpu``."""
 
-from core.config import EngineConfig
+from core.config import DEFAULT_MODEL, EngineConfig
 from core.llm import LLM
 from core.outputs import CompletionOutput, RequestOutput, RequestOutputCollector
 from core.request import Request, RequestStatus
@@ -9,6 +9,7 @@ from core.sampling_params import SamplingParams
 
 __all__ = [
     "CompletionOutput",
+    "DEFAULT_MODEL",
     "EngineConfig",
     "LLM",
     "Request",

@@ -1,0 +1,1 @@
+"""Training and evaluation of the embedded default model (a small Llama on Tiny Shakespeare)."""
