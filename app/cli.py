@@ -66,17 +66,16 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return text
 
 
-def _default_model() -> str | None:
-    import core
+def _default_model() -> str:
+    from core.config import DEFAULT_MODEL
 
-    return getattr(core, "DEFAULT_MODEL", None)
+    return DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from core.config import EngineConfig
+    from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
     defaults = SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})
-    default_model = _default_model()
     parser = argparse.ArgumentParser(
         prog="tidal", description="tidal: a streaming LLM inference server with an "
         "OpenAI-compatible API.")
@@ -86,11 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model: POST /v1/chat/completions, POST /v1/completions, "
         "GET /v1/models, GET /health, GET /metrics, WS /v1/chat/ws and a chat page at /.",
         formatter_class=_DefaultsFormatter)
-    model_help = "Hugging Face model directory to serve"
-    if default_model:
-        model_help += " (default: the embedded model)"
-    serve.add_argument("--model", default=default_model, required=default_model is None,
-                       help=model_help)
+    serve.add_argument("--model", default=None,
+                       help="Hugging Face model directory to serve (default: the embedded "
+                       f"model, served as '{DEFAULT_MODEL_NAME}')")
     serve.add_argument("--served-model-name", default=None,
                        help="model id that /v1/models lists and requests must name "
                        "(default: the --model value as given)")
@@ -148,11 +145,11 @@ def serve(args: argparse.Namespace) -> int:
     from app.server import build_app
     from app.state import ServerSettings
     from core.async_engine import AsyncEngine
-    from core.config import EngineConfig
+    from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
     try:
         config = EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device,
+            model=args.model or _default_model(), dtype=args.dtype, device=args.device,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -161,10 +158,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
-    logger.info("loading %s on %s", args.model, args.device)
+    logger.info("loading %s on %s", config.model, args.device)
     engine = AsyncEngine(config)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model, model_path=str(args.model),
+        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port)
     app = build_app(engine, settings)

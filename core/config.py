@@ -9,6 +9,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # The model that ships inside the package (a small Llama trained on Tiny Shakespeare by
 # gpu/training/train_default.py): served when no model is named.
 DEFAULT_MODEL: str = str(Path(__file__).resolve().parent / "default_model")
+DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 
 @dataclass
