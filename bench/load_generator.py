@@ -9,6 +9,10 @@ When the server is tidal, it also reads ``/metrics`` before and after each run t
 server side: the event loop's share of the process's CPU time and of the wall clock, and the
 time from a token being sampled by the engine to its SSE event leaving the server.
 
+Prompts may also be given as text, and requests can be shaped for ``transformers serve``
+(``flavor="transformers"``: text prompts only, EOS switched off through its ``generation_config``
+field); ``bench/serving_comparison.py`` uses both to load tidal and that peer alike.
+
     python -m bench.load_generator --url http://127.0.0.1:8000 --model NAME --concurrency 8
     python -m bench.load_generator --launch --concurrency 1 32   # starts a server itself
 """
@@ -46,6 +50,10 @@ class Workload:
     seed: int = 0
 
 
+Prompt = list[int] | str
+FLAVORS = ("tidal", "transformers")
+
+
 @dataclass
 class RequestResult:
     ok: bool
@@ -53,25 +61,67 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0
     error: str = ""
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def _summary(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
     return {"mean_ms": statistics.fmean(ordered) * 1e3,
-            "median_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3}
+            "median_ms": statistics.median(ordered) * 1e3,
+            "p99_ms": _percentile(ordered, 0.99) * 1e3}
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
-                      output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+def quantiles_ms(values: list[float], points: int = 101) -> list[float]:
+    """``points`` evenly spaced quantiles (0 to 100 %) in milliseconds: a compact CDF."""
+    if not values:
+        return []
+    ordered = sorted(values)
+    return [round(_percentile(ordered, i / (points - 1)) * 1e3, 3) for i in range(points)]
+
+
+def request_body(flavor: str, model: str, prompt: Prompt, output_len: int) -> dict[str, Any]:
+    """A streamed greedy ``/v1/completions`` body producing exactly ``output_len`` tokens.
+
+    ``transformers serve`` rejects unknown fields and token-id prompts; its EOS is switched
+    off through ``generation_config`` (an ``eos_token_id`` of -1 matches no token).
+    """
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                            "stream": True, "temperature": 0.0}
+    if flavor == "tidal":
+        return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    if flavor == "transformers":
+        if not isinstance(prompt, str):
+            raise ValueError("transformers serve takes text prompts only")
+        config = {"max_new_tokens": output_len, "eos_token_id": -1, "do_sample": False}
+        return body | {"generation_config": json.dumps(config)}
+    raise ValueError(f"unknown flavor {flavor!r}; expected one of {FLAVORS}")
+
+
+def _error_text(error: Any) -> str:
+    return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: Prompt,
+                      output_len: int, flavor: str = "tidal") -> RequestResult:
+    """Stream one completion, timing every chunk that carries text.
+
+    A stream counts as complete at ``[DONE]``, or at its end once a choice has reported a
+    ``finish_reason`` (servers that send no ``[DONE]``). Without usage in the stream, the
+    output token count is the number of chunks with text.
+    """
+    body = request_body(flavor, model, prompt, output_len)
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last: float | None = None
+    finished = False
+    chunks = 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -82,56 +132,109 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                     continue
                 data = line[6:]
                 if data == "[DONE]":
-                    result.ok = True
+                    finished = True
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    result.error = event["error"]["message"]
+                    result.error = _error_text(event["error"])
                     return result
-                if event.get("usage") and not event["choices"]:
-                    result.output_tokens = event["usage"]["completion_tokens"]
-                    continue
-                if not any(c.get("text") for c in event["choices"]):
+                if event.get("usage"):
+                    result.output_tokens = event["usage"].get("completion_tokens", 0)
+                    result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                choices = event.get("choices") or []
+                finished |= any(c.get("finish_reason") for c in choices)
+                if not any(c.get("text") for c in choices):
                     continue
                 now = time.perf_counter()
+                chunks += 1
                 if last is None:
                     result.ttft = now - start
                 else:
                     result.itl.append(now - last)
                 last = now
+        result.ok = finished and last is not None
+        if not result.ok:
+            result.error = "the stream ended without a finish_reason or any text"
+        result.output_tokens = result.output_tokens or chunks
     except httpx.HTTPError as exc:
         result.error = repr(exc)
     result.e2e = time.perf_counter() - start
     return result
 
 
-async def run_workload(url: str, model: str, work: Workload) -> dict[str, Any]:
+def random_token_prompts(work: Workload) -> list[list[int]]:
     rng = random.Random(work.seed)
-    prompts = [[rng.randrange(10, 500) for _ in range(work.input_len)]
-               for _ in range(work.num_requests)]
-    limit = asyncio.Semaphore(work.concurrency or work.num_requests)
-    limits = httpx.Limits(max_connections=(work.concurrency or work.num_requests) + 4)
+    return [[rng.randrange(10, 500) for _ in range(work.input_len)]
+            for _ in range(work.num_requests)]
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
+
+@dataclass
+class RequestClass:
+    """Requests of one kind, sent at their own concurrency or rate within a run."""
+
+    work: Workload
+    prompts: list[Prompt] | None = None  # None: random token ids of work.input_len
+
+
+async def _send_class(client: httpx.AsyncClient, model: str, cls: RequestClass,
+                      flavor: str) -> list[RequestResult]:
+    work = cls.work
+    prompts = cls.prompts if cls.prompts is not None else random_token_prompts(work)
+    rng = random.Random(work.seed)
+    limit = asyncio.Semaphore(work.concurrency or len(prompts))
+
+    async def limited(prompt: Prompt) -> RequestResult:
+        async with limit:
+            return await one_request(client, model, prompt, work.output_len, flavor)
+
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if work.request_rate:
+            await asyncio.sleep(rng.expovariate(work.request_rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_classes(url: str, model: str, classes: dict[str, RequestClass],
+                      flavor: str = "tidal", quantiles: bool = False) -> dict[str, Any]:
+    """Run several request classes at once; one report per class plus the server side."""
+    slots = sum(c.work.concurrency or len(c.prompts or ()) or c.work.num_requests
+                for c in classes.values())
+    limits = httpx.Limits(max_connections=slots + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0),
                                  limits=limits) as client:
-        async def limited(prompt: list[int]) -> RequestResult:
-            async with limit:
-                return await one_request(client, model, prompt, work.output_len)
-
         before = await scrape(client)
         start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if work.request_rate:
-                await asyncio.sleep(rng.expovariate(work.request_rate))
-        results = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*(_send_class(client, model, c, flavor)
+                                         for c in classes.values()))
         duration = time.perf_counter() - start
         after = await scrape(client)
+    report: dict[str, Any] = {
+        "duration_s": duration,
+        "classes": {name: summarize(res, duration, cls.work, quantiles)
+                    for (name, cls), res in zip(classes.items(), results)}}
+    if before and after:
+        report["server"] = server_side(before, after, duration)
+    return report
 
+
+async def run_workload(url: str, model: str, work: Workload,
+                       prompts: list[Prompt] | None = None, flavor: str = "tidal",
+                       quantiles: bool = False) -> dict[str, Any]:
+    mixed = await run_classes(url, model, {"all": RequestClass(work, prompts)}, flavor,
+                              quantiles)
+    report = mixed["classes"]["all"]
+    if "server" in mixed:
+        report["server"] = mixed["server"]
+    return report
+
+
+def summarize(results: list[RequestResult], duration: float, work: Workload,
+              quantiles: bool = False) -> dict[str, Any]:
     good = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
     output_tokens = sum(r.output_tokens for r in good)
+    counts = [r.output_tokens for r in good]
     report: dict[str, Any] = {
         "workload": asdict(work),
         "completed": len(good), "failed": len(results) - len(good),
@@ -139,13 +242,18 @@ async def run_workload(url: str, model: str, work: Workload) -> dict[str, Any]:
         "duration_s": duration,
         "request_throughput_per_s": len(good) / duration,
         "output_token_throughput_per_s": output_tokens / duration,
+        "output_tokens_per_request": {"min": min(counts), "max": max(counts),
+                                      "mean": statistics.fmean(counts)} if counts else None,
+        "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in good) if good else 0,
         "ttft": _summary([r.ttft for r in good]),
         "itl": _summary([x for r in good for x in r.itl]),
         "tpot": _summary(tpot),
         "e2e": _summary([r.e2e for r in good]),
     }
-    if before and after:
-        report["server"] = server_side(before, after, duration)
+    if quantiles:
+        report["quantiles_ms"] = {"ttft": quantiles_ms([r.ttft for r in good]),
+                                  "itl": quantiles_ms([x for r in good for x in r.itl]),
+                                  "e2e": quantiles_ms([r.e2e for r in good])}
     return report
 
 
@@ -230,15 +338,21 @@ def default_model() -> str:
 
 
 class LaunchedServer:
+    """A server process on a free loopback port; subclasses change ``command``."""
+
     def __init__(self, model: str, server_args: list[str]) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port",
-               str(self.port), *server_args]
+        self.server_args = list(server_args)
         self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "app", "serve", "--model", self.model, "--port",
+                str(self.port), *self.server_args]
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout

@@ -55,36 +55,71 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None
                  ) -> None:
-        if core is None:
-            if config is None:
-                raise ValueError("AsyncEngine needs a config or an EngineCore")
-            core = EngineCore(config)
-        self.core = core
-        self.tokenizer = core.tokenizer
-        self.max_model_len = core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._launch: queue.SimpleQueue | None = None  # start() -> the waiting engine thread
         self._dead: BaseException | None = None
+        if core is None:
+            if config is None:
+                raise ValueError("AsyncEngine needs a config or an EngineCore")
+            core = self._build_on_engine_thread(config)
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
         self.stats: EngineStats = core.stats()  # a snapshot, replaced after every step
+
+    def _build_on_engine_thread(self, config: EngineConfig) -> EngineCore:
+        """Load the model on the thread that will run it, which then waits for ``start()``.
+
+        All tensor work stays on one OS thread: once a second thread has run OpenMP regions
+        (loading the model on the event loop's thread did), libgomp counts more workers than
+        CPUs, stops spin-waiting, and every parallel op pays a futex wake-up; on a 2-core CPU
+        that made each decode step 1.7x slower.
+        """
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        self._launch = queue.SimpleQueue()
+
+        def build_then_run() -> None:
+            try:
+                built.put(EngineCore(config))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor
+                built.put(exc)
+                return
+            if self._launch.get():  # False: shut down before it started
+                self._run()
+
+        self._thread = threading.Thread(target=build_then_run, name="tidal-engine",
+                                        daemon=True)
+        self._thread.start()
+        core = built.get()
+        if isinstance(core, BaseException):
+            raise core
+        return core
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._launch is not None:
+            self._launch.put(True)
+            return
         self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is None:
             return
+        if self._loop is None and self._launch is not None:  # built but never started
+            self._launch.put(False)
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return (self._dead is None and self._loop is not None and self._thread is not None
+                and self._thread.is_alive())
 
     @property
     def error(self) -> BaseException | None:
@@ -145,13 +180,16 @@ class AsyncEngine:
                 if errors is None:
                     return
                 outputs: list = list(errors)
-                if self.core.has_unfinished_requests():
+                stepped = self.core.has_unfinished_requests()
+                if stepped:
                     outputs.extend(self.core.step())
                 step_done = time.monotonic()  # when these tokens were sampled, for latency
                 for out in outputs:
                     if isinstance(out, RequestOutput):
                         out.metrics["step_done"] = step_done
                 self._call_loop(self._post, (outputs, self.core.stats()))
+                if stepped:
+                    self.core.profiler.lap("post")
         except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiter
             logger.exception("the engine thread died")
             self._dead = exc

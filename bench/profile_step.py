@@ -1,0 +1,198 @@
+"""Where an engine step's time goes: schedule / prepare inputs / forward / sample / update /
+detokenize / post, at steady-state decode for each batch size.
+
+Runs the ``AsyncEngine`` in this process the way the server does (engine thread, asyncio
+consumers), starts ``batch`` requests together, and reads the engine's ``StepProfiler`` over
+``--steps`` decode steps once every request has its first token. ``--functions N`` adds the
+N Python functions with the most own time inside those steps (cProfile on the engine thread).
+
+    python -m bench.profile_step                      # batch 1 and 32 on the benchmark Llama
+    python -m bench.profile_step --model DIR --batch-sizes 1 8 32 --functions 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import bench_model_dir, write_result
+from core.async_engine import AsyncEngine
+from core.config import EngineConfig
+from core.sampling_params import SamplingParams
+from core.step_profiler import PHASES, StepProfiler
+
+WARM_TOKENS = 2  # tokens every request has before measuring: its prefill is behind it
+
+
+@dataclass
+class Snapshot:
+    totals: dict[str, float]
+    steps: int
+    tokens: int
+    wall: float
+
+    @classmethod
+    def of(cls, prof: StepProfiler) -> Snapshot:
+        return cls(dict(prof.totals), prof.num_steps, prof.num_tokens, time.perf_counter())
+
+
+@dataclass
+class BatchProfile:
+    batch_size: int
+    steps: int
+    step_ms: dict[str, float]  # mean ms per step for each phase, and "total"
+    overhead_share: float  # everything but the forward, of the step time
+    decode_tok_per_s: float
+    top_costs: list[tuple[str, float]]  # (phase, share of step time), largest first
+    functions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def breakdown(before: Snapshot, after: Snapshot, batch_size: int) -> BatchProfile:
+    steps = max(after.steps - before.steps, 1)
+    ms = {p: 1000 * (after.totals.get(p, 0.0) - before.totals.get(p, 0.0)) / steps
+          for p in PHASES}
+    total = sum(ms.values())
+    ms["total"] = total
+    shares = sorted(((p, ms[p] / total if total else 0.0) for p in PHASES),
+                    key=lambda item: -item[1])
+    return BatchProfile(batch_size, steps, ms,
+                        1.0 - ms["forward"] / total if total else 0.0,
+                        (after.tokens - before.tokens) / max(after.wall - before.wall, 1e-9),
+                        shares)
+
+
+class _StepTracer:
+    """cProfile around ``EngineCore.step`` on the engine thread, while ``active``."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.profile = cProfile.Profile()
+        self.active = False
+        step = engine.core.step
+
+        def traced() -> list:
+            if not self.active:
+                return step()
+            self.profile.enable()
+            try:
+                return step()
+            finally:
+                self.profile.disable()
+
+        engine.core.step = traced  # type: ignore[method-assign]
+
+    def top(self, count: int) -> list[dict[str, Any]]:
+        stats = pstats.Stats(self.profile, stream=io.StringIO())
+        rows = []
+        for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+            rows.append({"function": f"{Path(filename).name}:{line}({name})", "calls": calls,
+                         "own_s": own, "cumulative_s": cumulative})
+        return sorted(rows, key=lambda r: -r["own_s"])[:count]
+
+
+async def profile_batch(engine: AsyncEngine, batch_size: int, input_len: int, steps: int,
+                        functions: int, seed: int) -> BatchProfile:
+    rng = random.Random(seed)
+    vocab = engine.core.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS + steps + 2,
+                            ignore_eos=True)
+    counts = [0] * batch_size
+    marks: dict[str, Snapshot] = {}
+    tracer = _StepTracer(engine) if functions else None
+    prof = engine.core.profiler
+
+    def check() -> None:
+        low = min(counts)
+        if "start" not in marks and low >= WARM_TOKENS:
+            marks["start"] = Snapshot.of(prof)
+            if tracer:
+                tracer.active = True
+        if "end" not in marks and low >= WARM_TOKENS + steps:
+            marks["end"] = Snapshot.of(prof)
+            if tracer:
+                tracer.active = False
+
+    async def consume(index: int, prompt: list[int]) -> None:
+        async for out in engine.generate(prompt, params, request_id=f"p{seed}-{index}"):
+            counts[index] += sum(len(o.token_ids) for o in out.outputs)
+            check()
+
+    await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
+    result = breakdown(marks["start"], marks["end"], batch_size)
+    if tracer:
+        del engine.core.step  # back to the class's method
+        result.functions = tracer.top(functions)
+    return result
+
+
+async def profile(config: EngineConfig, batch_sizes: list[int], input_len: int, steps: int,
+                  functions: int) -> list[BatchProfile]:
+    engine = AsyncEngine(config)
+    engine.start()
+    try:
+        await profile_batch(engine, 2, input_len, 4, 0, seed=99)  # warm-up
+        return [await profile_batch(engine, b, input_len, steps, functions, seed=b)
+                for b in batch_sizes]
+    finally:
+        await engine.shutdown()
+
+
+def format_profile(p: BatchProfile) -> str:
+    lines = [f"batch {p.batch_size}: {p.step_ms['total']:.2f} ms/step over {p.steps} decode "
+             f"steps, {p.decode_tok_per_s:.0f} tok/s, overhead (all but forward) "
+             f"{100 * p.overhead_share:.1f}%"]
+    for phase in PHASES:
+        share = p.step_ms[phase] / p.step_ms["total"] if p.step_ms["total"] else 0.0
+        lines.append(f"  {phase:<15} {p.step_ms[phase]:8.3f} ms  {100 * share:5.1f}%")
+    top = ", ".join(f"{name} {100 * share:.1f}%" for name, share in p.top_costs[:3])
+    lines.append(f"  top costs: {top}")
+    if p.functions:
+        lines.append("  functions with the most own time in the measured steps:")
+        for row in p.functions:
+            lines.append(f"    {1000 * row['own_s'] / p.steps:7.3f} ms/step  "
+                         f"{row['calls'] // p.steps:>6} calls/step  {row['function']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[BatchProfile]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="HF model directory (default: the random ~30M Llama)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps measured per batch")
+    ap.add_argument("--functions", type=int, default=0,
+                    help="also list this many functions by own time (cProfile slows steps)")
+    ap.add_argument("--dtype", default="auto",
+                    choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    ap.add_argument("--out", default="profile_step",
+                    help="results basename in bench/results ('' to skip writing)")
+    args = ap.parse_args(argv)
+    model = args.model or str(bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama"))
+    config = EngineConfig(model=model, dtype=args.dtype,
+                          max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
+                          kv_cache_memory=args.kv_cache_memory)
+    results = asyncio.run(profile(config, args.batch_sizes, args.input_len, args.steps,
+                                  args.functions))
+    for result in results:
+        print(format_profile(result))
+    if args.out:
+        path = write_result(args.out, {"model": model, "dtype": args.dtype,
+                                       "input_len": args.input_len,
+                                       "profiles": [asdict(r) for r in results]})
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

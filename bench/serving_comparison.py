@@ -1,0 +1,309 @@
+"""Serving comparison: tidal against ``transformers serve`` on the same model and workloads.
+
+Starts both servers on loopback with the same model directory, sends each the same streamed
+``/v1/completions`` workloads with the load generator, one server at a time, workload by
+workload (``--no-interleave``: every workload on one server, then on the other), and writes
+``bench/results/<name>.json`` and ``.md`` with the ratios ours / peer of output tokens/s,
+requests/s and p50/p99 TTFT, inter-token latency and end-to-end latency, then the plots.
+
+Workloads (greedy, EOS ignored, prompts are text of exact token lengths):
+- ``c{N}-in{L}``: N requests in flight, L-token prompts, ``--output-len`` tokens out;
+- ``shared-prefix``: every prompt starts with the same system prompt (prefix caching);
+- ``mixed``: short chats at ``--mixed-concurrency`` while long prompts arrive one at a time;
+  the short ones' p99 ITL shows how well long prefills are chunked around them.
+
+    python -m bench.serving_comparison --quick          # a smoke run, about 2 minutes
+    python -m bench.serving_comparison                  # the full run, 20-30 min on 2 cores
+    python -m bench.serving_comparison --model default --peer none
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR, bench_model_dir, write_result
+from bench.load_generator import LaunchedServer, RequestClass, Workload, run_classes
+from bench.prompt_text import text_prompts
+from bench.serving_report import markdown
+
+PEERS = ("transformers", "none")
+
+
+@dataclass
+class Scenario:
+    name: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_requests: int
+    shared_prefix_len: int = 0  # > 0: prompts share a system prompt of this many tokens
+    long_len: int = 0  # > 0: long prompts of this many tokens run beside the short ones
+    num_long: int = 0
+    long_output_len: int = 0
+    seed: int = 0
+
+
+class TransformersServe(LaunchedServer):
+    """``transformers serve MODEL --continuous-batching --device cpu`` on a free port."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model,
+                "--continuous-batching", "--host", "127.0.0.1", "--port", str(self.port),
+                *self.server_args]
+
+
+# -- the plan -------------------------------------------------------------------------------
+def plan(args: argparse.Namespace) -> list[Scenario]:
+    scenarios = []
+    for input_len in args.input_lens:
+        for conc in args.concurrency:
+            scenarios.append(Scenario(f"c{conc}-in{input_len}", conc, input_len,
+                                      args.output_len, _num_requests(args, conc)))
+    if args.shared_prefix_len:
+        conc = args.shared_concurrency
+        scenarios.append(Scenario("shared-prefix", conc, args.shared_input_len,
+                                  args.output_len, _num_requests(args, conc),
+                                  shared_prefix_len=args.shared_prefix_len))
+    if args.num_long:
+        conc = args.mixed_concurrency
+        scenarios.append(Scenario("mixed", conc, args.mixed_input_len, args.output_len,
+                                  _num_requests(args, conc), long_len=args.long_len,
+                                  num_long=args.num_long, long_output_len=args.long_output_len))
+    for index, scenario in enumerate(scenarios):
+        scenario.seed = 1000 * (index + 1)  # distinct prompts: no accidental cache hits
+    return scenarios
+
+
+def _num_requests(args: argparse.Namespace, concurrency: int) -> int:
+    return max(args.min_requests, args.requests_per_concurrency * concurrency)
+
+
+def request_classes(scenario: Scenario, tokenizer: Any) -> dict[str, RequestClass]:
+    s = scenario
+    prefix = ""
+    if s.shared_prefix_len:
+        prefix = text_prompts(tokenizer, 1, s.shared_prefix_len, s.seed + 1)[0] + "\n"
+    short = Workload(s.input_len, s.output_len, s.num_requests, concurrency=s.concurrency,
+                     seed=s.seed)
+    prompts = text_prompts(tokenizer, s.num_requests, s.input_len, s.seed, prefix)
+    if not s.long_len:
+        return {"all": RequestClass(short, list(prompts))}
+    long = Workload(s.long_len, s.long_output_len, s.num_long, concurrency=1, seed=s.seed + 2)
+    long_prompts = text_prompts(tokenizer, s.num_long, s.long_len, s.seed + 2)
+    return {"short": RequestClass(short, list(prompts)),
+            "long": RequestClass(long, list(long_prompts))}
+
+
+# -- running --------------------------------------------------------------------------------
+def start_server(kind: str, model: str, server_args: list[str]) -> LaunchedServer:
+    if kind == "tidal":
+        return LaunchedServer(model, server_args)
+    return TransformersServe(model, server_args)
+
+
+def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) -> None:
+    """A few short requests first: the peer builds its batching manager on the first one,
+    and both servers' first steps pay one-off costs."""
+    prompts = text_prompts(tokenizer, requests, 16, seed=7)
+    work = Workload(16, 8, requests, concurrency=requests)
+    report = asyncio.run(run_classes(server.url, server.model,
+                                     {"all": RequestClass(work, list(prompts))}, flavor))
+    failed = report["classes"]["all"]["failed"]
+    if failed:
+        raise RuntimeError(f"{flavor}: warm-up failed: {report['classes']['all']['errors']}")
+
+
+def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
+                prepared: list[tuple[Scenario, dict[str, RequestClass]]], tokenizer: Any,
+                reports: dict[str, dict[str, dict]], runs: dict[str, dict]) -> None:
+    """Start ``kinds`` together, then run every scenario on each of them in turn, so that
+    a change in the machine's load hits them alike. An idle server costs no CPU."""
+    servers: dict[str, LaunchedServer] = {}
+    try:
+        for kind in kinds:
+            runs[kind] = {"load_average_start": os.getloadavg()[0]}
+            servers[kind] = start_server(kind, model, args.server_arg if kind == "tidal"
+                                         else args.peer_arg)
+        for kind, server in servers.items():
+            started = time.perf_counter()
+            server.wait_ready()
+            runs[kind]["ready_after_s"] = time.perf_counter() - started
+            warm_up(server, kind, tokenizer, args.warmup)
+        for scenario, classes in prepared:
+            for kind, server in servers.items():
+                t0 = time.perf_counter()
+                report = asyncio.run(run_classes(server.url, server.model, classes, kind,
+                                                 quantiles=True))
+                report["load_average_after"] = round(os.getloadavg()[0], 2)
+                reports.setdefault(kind, {})[scenario.name] = report
+                _progress(kind, scenario, report, time.perf_counter() - t0)
+    finally:
+        for kind, server in servers.items():
+            server.stop()
+            runs[kind]["load_average_end"] = os.getloadavg()[0]
+
+
+def _progress(kind: str, scenario: Scenario, report: dict, seconds: float) -> None:
+    parts = []
+    for name, rep in report["classes"].items():
+        ttft = (rep.get("ttft") or {}).get("median_ms")
+        itl = (rep.get("itl") or {}).get("p99_ms")
+        parts.append(f"{name}: {rep['output_token_throughput_per_s']:.1f} tok/s, "
+                     f"TTFT p50 {ttft or 0:.0f} ms, ITL p99 {itl or 0:.0f} ms, "
+                     f"{rep['failed']} failed")
+    print(f"[{kind}] {scenario.name} ({seconds:.0f} s): " + "; ".join(parts), flush=True)
+
+
+# -- the command line -----------------------------------------------------------------------
+QUICK = dict(concurrency=[1, 4], input_lens=[32], output_len=16, requests_per_concurrency=1,
+             min_requests=2, shared_prefix_len=64, shared_input_len=96, shared_concurrency=4,
+             num_long=1, long_len=1000, long_output_len=8, mixed_concurrency=2,
+             mixed_input_len=32, warmup=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="HF model directory; 'default' for the embedded model (default: the "
+                    "random ~30M-parameter benchmark Llama)")
+    ap.add_argument("--peer", choices=PEERS, default="transformers")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for tidal (repeatable), e.g. --server-arg=--max-num-"
+                    "seqs=32")
+    ap.add_argument("--peer-arg", action="append", default=None,
+                    help="extra argument for the peer (repeatable; default: --device cpu)")
+    ap.add_argument("--order", choices=["peer-first", "tidal-first"], default="peer-first",
+                    help="which server runs each workload first")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep both servers up and alternate them workload by workload "
+                    "(else: all workloads on one, then all on the other)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: small sizes (any size flag given still wins)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--input-lens", type=int, nargs="+", default=[32, 512])
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--requests-per-concurrency", type=int, default=2,
+                    help="requests per run = this x concurrency (at least --min-requests)")
+    ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--shared-prefix-len", type=int, default=448,
+                    help="shared system prompt tokens (0: no shared-prefix workload)")
+    ap.add_argument("--shared-input-len", type=int, default=512,
+                    help="whole prompt tokens in the shared-prefix workload")
+    ap.add_argument("--shared-concurrency", type=int, default=32)
+    ap.add_argument("--num-long", type=int, default=3,
+                    help="long prompts in the mixed workload (0: no mixed workload)")
+    ap.add_argument("--long-len", type=int, default=2000)
+    ap.add_argument("--long-output-len", type=int, default=32)
+    ap.add_argument("--mixed-concurrency", type=int, default=8)
+    ap.add_argument("--mixed-input-len", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per server")
+    ap.add_argument("--name", default=None, help="results basename (default: "
+                    "serving_comparison, or serving_comparison-quick with --quick)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--note", action="append", default=[],
+                    help="a remark stored with the results (repeatable)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        for key, value in QUICK.items():
+            if "--" + key.replace("_", "-") not in given:
+                setattr(args, key, value)
+    if args.peer_arg is None:
+        args.peer_arg = ["--device", "cpu"]
+    args.name = args.name or ("serving_comparison-quick" if args.quick
+                              else "serving_comparison")
+    return args
+
+
+def resolve_model(model: str | None) -> str:
+    if model == "default":
+        from core import DEFAULT_MODEL
+
+        if not DEFAULT_MODEL:
+            raise SystemExit("tidal has no embedded default model")
+        return str(DEFAULT_MODEL)
+    if model:
+        return model
+    return str(bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama"))
+
+
+def model_params_m(model: str) -> float | None:
+    """Millions of parameters in the model directory's safetensors files."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    return round(total / 1e6, 1) if total else None
+
+
+def peer_version(peer: str) -> str | None:
+    if peer != "transformers":
+        return None
+    import transformers
+
+    return transformers.__version__
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    scenarios = plan(args)
+    prepared = [(s, request_classes(s, tokenizer)) for s in scenarios]
+    kinds = ["tidal"] if args.peer == "none" else ["tidal", args.peer]
+    if args.order == "peer-first":
+        kinds.reverse()
+    load_start = os.getloadavg()
+    reports: dict[str, dict[str, dict]] = {}
+    runs: dict[str, dict] = {}
+    for group in ([kinds] if args.interleave else [[kind] for kind in kinds]):
+        run_servers(group, model, args, prepared, tokenizer, reports, runs)
+    result = {
+        "setup": {
+            "model": model, "model_params_m": model_params_m(model),
+            "tidal_args": args.server_arg, "peer_name": "transformers serve "
+            "--continuous-batching" if args.peer == "transformers" else None,
+            "peer_version": peer_version(args.peer),
+            "peer_args": args.peer_arg if args.peer != "none" else None,
+            "load_average": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+            "cpu_count": os.cpu_count(), "notes": args.note, "argv": sys.argv[1:],
+            "interleaved": args.interleave, "runs": runs},
+        "scenarios": [asdict(s) | {"reports": {k: reports[k].get(s.name) for k in kinds}}
+                      for s in scenarios],
+    }
+    path = write_result(args.name, result)
+    stored = json.loads(path.read_text())
+    md = path.with_suffix(".md")
+    md.write_text(markdown(stored) + "\n")
+    print(markdown(stored))
+    print(f"wrote {path} and {md}")
+    if not args.no_plots:
+        from bench.plots import plot_all
+
+        for png in plot_all(path, RESULTS_DIR):
+            print(f"wrote {png}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

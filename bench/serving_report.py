@@ -1,0 +1,103 @@
+"""The serving comparison's ratios (ours / peer) and its Markdown tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (label, path into a load-generator report, higher is better)
+METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("output tok/s", ("output_token_throughput_per_s",), True),
+    ("req/s", ("request_throughput_per_s",), True),
+    ("TTFT p50 ms", ("ttft", "median_ms"), False),
+    ("TTFT p99 ms", ("ttft", "p99_ms"), False),
+    ("ITL p50 ms", ("itl", "median_ms"), False),
+    ("ITL p99 ms", ("itl", "p99_ms"), False),
+    ("E2E p50 ms", ("e2e", "median_ms"), False),
+    ("E2E p99 ms", ("e2e", "p99_ms"), False),
+)
+
+
+def metric(report: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
+    value: Any = report
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """ours / peer for every metric: above 1 is better for throughputs, below 1 for
+    latencies."""
+    out: dict[str, float | None] = {}
+    for label, path, _ in METRICS:
+        a, b = metric(ours, path), metric(peer, path)
+        out[label] = a / b if a is not None and b else None
+    return out
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, dict]]]:
+    """(scenario, class, {server: class report}) for every class of every scenario."""
+    rows = []
+    for scenario in result["scenarios"]:
+        servers = {name: rep for name, rep in scenario["reports"].items() if rep}
+        classes = next(iter(servers.values()))["classes"] if servers else {}
+        for cls in classes:
+            rows.append((scenario["name"], cls,
+                         {s: rep["classes"][cls] for s, rep in servers.items()}))
+    return rows
+
+
+def _label(scenario: str, cls: str) -> str:
+    return scenario if cls == "all" else f"{scenario} ({cls})"
+
+
+def absolute_table(result: dict[str, Any]) -> str:
+    head = ["workload", "server", *(m[0] for m in METRICS), "out tok/req"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for scenario, cls, reports in _rows(result):
+        for server, rep in reports.items():
+            cells = [_fmt(metric(rep, path), 2 if "req/s" in label else 1)
+                     for label, path, _ in METRICS]
+            per_req = rep.get("output_tokens_per_request") or {}
+            count = (f"{per_req['mean']:.0f}" if per_req.get("min") == per_req.get("max")
+                     else f"{per_req.get('min')}-{per_req.get('max')}") if per_req else "-"
+            lines.append("| " + " | ".join([_label(scenario, cls), server, *cells, count]) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(result: dict[str, Any], ours: str, peer: str) -> str:
+    head = ["workload", *(m[0] for m in METRICS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for scenario, cls, reports in _rows(result):
+        if ours not in reports or peer not in reports:
+            continue
+        r = ratios(reports[ours], reports[peer])
+        cells = [_fmt(r[label], 2) + ("x" if r[label] is not None else "")
+                 for label, _, _ in METRICS]
+        lines.append("| " + " | ".join([_label(scenario, cls), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any], ours: str = "tidal", peer: str = "transformers") -> str:
+    meta = result.get("setup", {})
+    parts = [f"# Serving comparison ({result.get('date', '')})", "",
+             f"- model: `{meta.get('model')}` ({meta.get('model_params_m', '?')}M parameters)",
+             f"- machine: {result.get('machine', {}).get('device')}, "
+             f"load average at start/end: {meta.get('load_average')}",
+             f"- tidal args: `{' '.join(meta.get('tidal_args') or []) or '(defaults)'}`",
+             f"- peer: {meta.get('peer_name')} {meta.get('peer_version')}, "
+             f"args: `{' '.join(meta.get('peer_args') or [])}`",
+             "- greedy, EOS ignored; prompts are text of exact token lengths, "
+             "the same for both servers", ""]
+    if meta.get("notes"):
+        parts += [f"- note: {note}" for note in meta["notes"]] + [""]
+    if any(peer in s["reports"] for s in result["scenarios"]):
+        parts += [f"## Ratios {ours} / {peer} (throughput: higher is better; latency: lower "
+                  "is better)", "", ratio_table(result, ours, peer), ""]
+    parts += ["## Absolute numbers", "", absolute_table(result), ""]
+    return "\n".join(parts)

@@ -1,0 +1,197 @@
+"""The benchmark harness's pieces on a tiny model: load generator, exact-length prompts,
+request shapes for the peer, ratios and tables, plots, the step profiler and a whole
+comparison run against tidal alone. No timing is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+import bench.common
+import bench.serving_comparison as harness
+from bench.load_generator import (
+    LaunchedServer,
+    RequestClass,
+    Workload,
+    one_request,
+    request_body,
+    run_classes,
+    run_workload,
+)
+from bench.plots import plot_all
+from bench.prompt_text import text_prompts, token_count
+from bench.serving_report import markdown, ratios
+
+OUT = 6  # output tokens per request
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpu.random_model import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("bench") / "tiny", "llama",
+                           max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Any:
+    srv = LaunchedServer(str(tiny_model), ["--kv-cache-memory", "8MiB"])
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _check_report(report: dict[str, Any], requests: int, prompt_len: int | None) -> None:
+    assert report["failed"] == 0, report["errors"]
+    assert report["completed"] == requests
+    assert report["output_tokens_per_request"] == {"min": OUT, "max": OUT, "mean": OUT}
+    if prompt_len is not None:
+        assert report["prompt_tokens_mean"] == prompt_len
+    assert report["ttft"]["median_ms"] > 0
+    assert report["itl"]["p99_ms"] >= report["itl"]["median_ms"] > 0
+    assert report["e2e"]["median_ms"] >= report["ttft"]["median_ms"]
+    assert report["output_token_throughput_per_s"] > 0
+
+
+def test_load_generator_against_tidal(server: Any) -> None:
+    work = Workload(input_len=12, output_len=OUT, num_requests=2, concurrency=2)
+    report = asyncio.run(run_workload(server.url, server.model, work, quantiles=True))
+    _check_report(report, 2, 12)
+    assert len(report["quantiles_ms"]["itl"]) == 101
+    assert report["server"]["process_cpu_s"] > 0  # read from tidal's /metrics
+
+
+def test_text_prompts_and_classes_against_tidal(server: Any, tokenizer: Any) -> None:
+    short = text_prompts(tokenizer, 3, 10, seed=1)
+    long = text_prompts(tokenizer, 1, 300, seed=2)
+    classes = {"short": RequestClass(Workload(10, OUT, 3, concurrency=2), list(short)),
+               "long": RequestClass(Workload(300, OUT, 1, concurrency=1), list(long))}
+    report = asyncio.run(run_classes(server.url, server.model, classes))
+    _check_report(report["classes"]["short"], 3, 10)
+    _check_report(report["classes"]["long"], 1, 300)
+
+
+def test_text_prompts_have_exact_lengths(tokenizer: Any) -> None:
+    for length in (1, 9, 64):
+        prompts = text_prompts(tokenizer, 4, length, seed=length)
+        assert [token_count(tokenizer, p) for p in prompts] == [length] * 4
+        assert len(set(prompts)) == 4
+    prefix = text_prompts(tokenizer, 1, 20, seed=5)[0] + "\n"
+    shared = text_prompts(tokenizer, 3, 32, seed=6, prefix=prefix)
+    assert all(p.startswith(prefix) and token_count(tokenizer, p) == 32 for p in shared)
+
+
+def test_transformers_flavor_request_and_stream() -> None:
+    body = request_body("transformers", "m", "hi there", 5)
+    assert "ignore_eos" not in body and "stream_options" not in body
+    assert json.loads(body["generation_config"]) == {
+        "max_new_tokens": 5, "eos_token_id": -1, "do_sample": False}
+    with pytest.raises(ValueError):
+        request_body("transformers", "m", [1, 2, 3], 5)
+    assert request_body("tidal", "m", [1, 2], 5)["ignore_eos"] is True
+
+    def chunk(text: str) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "text": text}]}) + "\n\n"
+
+    # transformers serve: usage rides on the last chunk beside a choice, and no [DONE]
+    sse = chunk("a") + chunk("b") + chunk("c") + "data: " + json.dumps({
+        "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3}}) + "\n\n"
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def go(stream: str) -> Any:
+        nonlocal sse
+        sse = stream
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                     base_url="http://peer") as client:
+            return await one_request(client, "m", "hi", 3, flavor="transformers")
+
+    result = asyncio.run(go(sse))
+    assert result.ok and result.output_tokens == 3 and result.prompt_tokens == 2
+    assert len(result.itl) == 2 and seen[0]["prompt"] == "hi"
+    cut = asyncio.run(go(chunk("a")))  # ended with neither finish_reason nor [DONE]
+    assert not cut.ok and cut.error
+    failed = asyncio.run(go('data: {"error": "boom"}\n\n'))
+    assert not failed.ok and failed.error == "boom"
+
+
+def _fake_report(tok_s: float, ttft: float) -> dict[str, Any]:
+    q = [ttft + i for i in range(101)]
+    return {"classes": {"all": {
+        "output_token_throughput_per_s": tok_s, "request_throughput_per_s": tok_s / 10,
+        "ttft": {"median_ms": ttft, "p99_ms": 2 * ttft}, "itl": {"median_ms": 5, "p99_ms": 9},
+        "e2e": {"median_ms": 100, "p99_ms": 200},
+        "output_tokens_per_request": {"min": 10, "max": 10, "mean": 10},
+        "quantiles_ms": {"ttft": q, "itl": q, "e2e": q}}}}
+
+
+def test_ratios_table_and_plots(tmp_path: Path) -> None:
+    args = harness.parse_args(["--quick"])
+    scenarios = harness.plan(args)
+    assert len({s.seed for s in scenarios}) == len(scenarios)
+    result = {"setup": {"model": "m"}, "scenarios": [
+        {**vars(s), "reports": {"tidal": _fake_report(400.0 * (i + 1), 50.0),
+                                "transformers": _fake_report(100.0 * (i + 1), 200.0)}}
+        for i, s in enumerate(scenarios) if not s.long_len]}
+    r = ratios(result["scenarios"][0]["reports"]["tidal"]["classes"]["all"],
+               result["scenarios"][0]["reports"]["transformers"]["classes"]["all"])
+    assert r["output tok/s"] == pytest.approx(4.0)
+    assert r["TTFT p50 ms"] == pytest.approx(0.25)
+    text = markdown(result)
+    assert "| c1-in32 | 4.00x | 4.00x | 0.25x" in text
+    path = tmp_path / "cmp.json"
+    path.write_text(json.dumps(result))
+    for png in plot_all(path, tmp_path):
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    path = harness.main(["--quick", "--peer", "none", "--model", str(tiny_model),
+                         "--long-len", "300", "--output-len", str(OUT), "--name", "smoke",
+                         "--server-arg=--kv-cache-memory=8MiB"])
+    result = json.loads(path.read_text())
+    names = [s["name"] for s in result["scenarios"]]
+    assert names == ["c1-in32", "c4-in32", "shared-prefix", "mixed"]
+    for scenario in result["scenarios"]:
+        for cls in scenario["reports"]["tidal"]["classes"].values():
+            assert cls["failed"] == 0 and cls["completed"] > 0
+    assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5
+    assert (tmp_path / "smoke_throughput.png").is_file()
+
+
+def test_profile_step_on_tiny_model(tiny_model: Path) -> None:
+    from bench.profile_step import main
+
+    profiles = main(["--model", str(tiny_model), "--batch-sizes", "1", "3", "--steps", "4",
+                     "--input-len", "8", "--functions", "3", "--out", ""])
+    assert [p.batch_size for p in profiles] == [1, 3]
+    for p in profiles:
+        assert p.steps >= 4
+        assert all(p.step_ms[phase] > 0 for phase in ("schedule", "forward", "sample", "post"))
+        assert p.step_ms["total"] == pytest.approx(sum(v for k, v in p.step_ms.items()
+                                                       if k != "total"))
+        shares = [share for _, share in p.top_costs]
+        assert shares == sorted(shares, reverse=True)
+        assert 0 < p.overhead_share < 1
+        assert len(p.functions) == 3
