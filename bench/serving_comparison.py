@@ -12,8 +12,8 @@ Workloads (greedy, EOS ignored, prompts are text of exact token lengths):
 - ``mixed``: short chats at ``--mixed-concurrency`` while long prompts arrive one at a time;
   the short ones' p99 ITL shows how well long prefills are chunked around them.
 
-    python -m bench.serving_comparison --quick          # a smoke run, about 2 minutes
-    python -m bench.serving_comparison                  # the full run, 20-30 min on 2 cores
+    python -m bench.serving_comparison --quick          # a smoke run, about a minute
+    python -m bench.serving_comparison                  # the full run, 15-30 min on 2 cores
     python -m bench.serving_comparison --model default --peer none
 """
 
