@@ -3,7 +3,7 @@ detokenize / post, at steady-state decode for each batch size.
 
 Runs the ``AsyncEngine`` in this process the way the server does (engine thread, asyncio
 consumers), starts ``batch`` requests together, and reads the engine's ``StepProfiler`` over
-``--steps`` decode steps once every request has its first token. ``--functions N`` adds the
+exactly ``--steps`` decode steps once every request has its first tokens. ``--functions N`` adds the
 N Python functions with the most own time inside those steps (cProfile on the engine thread).
 
     python -m bench.profile_step                      # batch 1 and 32 on the benchmark Llama
@@ -31,6 +31,7 @@ from core.sampling_params import SamplingParams
 from core.step_profiler import PHASES, StepProfiler
 
 WARM_TOKENS = 2  # tokens every request has before measuring: its prefill is behind it
+SLACK_TOKENS = 8
 
 
 @dataclass
@@ -70,26 +71,53 @@ def breakdown(before: Snapshot, after: Snapshot, batch_size: int) -> BatchProfil
                         shares)
 
 
-class _StepTracer:
-    """cProfile around ``EngineCore.step`` on the engine thread, while ``active``."""
+class _StepWindow:
+    """Wraps ``EngineCore.step`` on the engine thread and marks the measured steps there.
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.profile = cProfile.Profile()
-        self.active = False
-        step = engine.core.step
+    The window opens before the first step at which every request of the batch has its first
+    ``WARM_TOKENS`` tokens (prefill behind it) and closes before the ``steps``-th step after
+    that, so it holds exactly ``steps`` whole steps, each with its post to the event loop,
+    however far the consumers lag. With ``functions``, cProfile runs inside the window.
+    """
 
-        def traced() -> list:
-            if not self.active:
-                return step()
-            self.profile.enable()
-            try:
-                return step()
-            finally:
-                self.profile.disable()
+    def __init__(self, engine: AsyncEngine, request_ids: set[str], steps: int,
+                 functions: bool) -> None:
+        self.core = engine.core
+        self.request_ids = request_ids
+        self.steps = steps
+        self.profile = cProfile.Profile() if functions else None
+        self.start: Snapshot | None = None
+        self.end: Snapshot | None = None
+        self._seen = 0
+        self._step = self.core.step
+        self.core.step = self._wrapped  # type: ignore[method-assign]
 
-        engine.core.step = traced  # type: ignore[method-assign]
+    def _ready(self) -> bool:
+        requests = self.core.scheduler.requests
+        return all(rid in requests and requests[rid].num_output_tokens >= WARM_TOKENS
+                   for rid in self.request_ids)
+
+    def _wrapped(self) -> list:
+        if self.start is None and self._ready():
+            self.start = Snapshot.of(self.core.profiler)
+        elif self.start is not None and self.end is None:
+            self._seen += 1
+            if self._seen == self.steps:
+                self.end = Snapshot.of(self.core.profiler)
+        if self.profile is None or self.start is None or self.end is not None:
+            return self._step()
+        self.profile.enable()
+        try:
+            return self._step()
+        finally:
+            self.profile.disable()
+
+    def close(self) -> None:
+        del self.core.step  # back to the class's method
 
     def top(self, count: int) -> list[dict[str, Any]]:
+        if self.profile is None:
+            return []
         stats = pstats.Stats(self.profile, stream=io.StringIO())
         rows = []
         for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
@@ -103,34 +131,25 @@ async def profile_batch(engine: AsyncEngine, batch_size: int, input_len: int, st
     rng = random.Random(seed)
     vocab = engine.core.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(batch_size)]
-    params = SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS + steps + 2,
+    # room past the window: requests whose prefill ended a step early run ahead a little
+    params = SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS + steps + SLACK_TOKENS,
                             ignore_eos=True)
-    counts = [0] * batch_size
-    marks: dict[str, Snapshot] = {}
-    tracer = _StepTracer(engine) if functions else None
-    prof = engine.core.profiler
+    ids = [f"p{seed}-{i}" for i in range(batch_size)]
+    window = _StepWindow(engine, set(ids), steps, bool(functions))
 
-    def check() -> None:
-        low = min(counts)
-        if "start" not in marks and low >= WARM_TOKENS:
-            marks["start"] = Snapshot.of(prof)
-            if tracer:
-                tracer.active = True
-        if "end" not in marks and low >= WARM_TOKENS + steps:
-            marks["end"] = Snapshot.of(prof)
-            if tracer:
-                tracer.active = False
+    async def consume(request_id: str, prompt: list[int]) -> None:
+        async for _ in engine.generate(prompt, params, request_id=request_id):
+            pass
 
-    async def consume(index: int, prompt: list[int]) -> None:
-        async for out in engine.generate(prompt, params, request_id=f"p{seed}-{index}"):
-            counts[index] += sum(len(o.token_ids) for o in out.outputs)
-            check()
-
-    await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
-    result = breakdown(marks["start"], marks["end"], batch_size)
-    if tracer:
-        del engine.core.step  # back to the class's method
-        result.functions = tracer.top(functions)
+    try:
+        await asyncio.gather(*(consume(r, p) for r, p in zip(ids, prompts)))
+    finally:
+        window.close()
+    if window.start is None or window.end is None:
+        raise RuntimeError(f"batch {batch_size}: the batch never ran {steps} decode steps "
+                           "together (too little KV cache or --max-num-seqs?)")
+    result = breakdown(window.start, window.end, batch_size)
+    result.functions = window.top(functions)
     return result
 
 
