@@ -1,7 +1,9 @@
 """Offline throughput: the same prompts through ``LLM.generate`` and through HF ``generate``.
 
 HF runs padded static batches (left padding); both produce exactly ``--output-len`` tokens per
-prompt (EOS ignored). Prints and writes ``bench/results/offline_throughput.json``.
+prompt (EOS ignored), in the same ``--dtype``. Each side runs in a fresh process of its own, so
+neither inherits the other's allocator state, thread pools or warm caches. Prints and writes
+``bench/results/offline_throughput.json``.
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
 """
@@ -9,8 +11,11 @@ prompt (EOS ignored). Prints and writes ``bench/results/offline_throughput.json`
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,8 +25,9 @@ from core import LLM, SamplingParams
 
 
 def run_ours(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-             max_num_batched_tokens: int) -> dict:
-    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+             max_num_batched_tokens: int, dtype: str) -> dict:
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     llm.engine.profiler.reset()
@@ -36,8 +42,9 @@ def run_ours(model: str, prompts: list[list[int]], output_len: int, max_num_seqs
 
 
 @torch.inference_mode()
-def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int,
+           dtype: str) -> dict:
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
 
@@ -58,6 +65,12 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
             "batch_size": batch_size}
 
 
+def in_fresh_process(fn: Callable[..., dict], *args: object) -> dict:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF model dir (default: a random ~30M Llama)")
@@ -68,15 +81,18 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and activations on both sides")
     args = ap.parse_args()
 
     model = args.model or str(bench_model_dir(tempfile.gettempdir() + "/tidal-bench-llama"))
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=8000)
-    ours = run_ours(model, prompts, args.output_len, args.max_num_seqs,
-                    args.max_num_batched_tokens)
+    ours = in_fresh_process(run_ours, model, prompts, args.output_len, args.max_num_seqs,
+                            args.max_num_batched_tokens, args.dtype)
     print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
           f"overhead {100 * ours['overhead_share']:.1f}% of step time")
-    hf = run_hf(model, prompts, args.output_len, args.hf_batch_size)
+    hf = in_fresh_process(run_hf, model, prompts, args.output_len, args.hf_batch_size,
+                          args.dtype)
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
     print(f"ratio tidal / HF: {ratio:.2f}x")

@@ -15,6 +15,7 @@ from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.cuda_graphs import CudaGraphRunner
+from gpu.host_allocator import keep_freed_host_memory
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype
@@ -40,6 +41,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.device
         self.dtype = resolve_dtype(config.dtype, config.device)
+        if self.device == "cpu":
+            keep_freed_host_memory()
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.backend = get_attention_backend(config.attention_backend, config.device)
