@@ -9,24 +9,14 @@ from starlette.requests import Request
 
 from app.metrics import RequestTracker
 from app.protocol import ApiError, PreparedRequest, prepare_chat_request
-from app.serving import (
-    chat_logprobs,
-    check_engine,
-    generate,
-    get_state,
-    read_json_body,
-    usage,
-)
+from app.serving import chat_logprobs, generate, read_request, usage
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState
 from core.outputs import CompletionOutput, RequestOutput
 
 
 async def chat_completions(request: Request) -> Any:
-    state = get_state(request)
-    body = await read_json_body(request)
-    prepared = prepare_chat_request(body, state)
-    check_engine(state)
+    state, prepared = await read_request(request, prepare_chat_request)
     if prepared.stream:
         tracker = state.metrics.track(len(prepared.prompt_token_ids))
         return EventStreamResponse(stream_chat(state, prepared, tracker), on_sent=tracker.sent)

@@ -11,25 +11,14 @@ from starlette.requests import Request
 
 from app.metrics import RequestTracker
 from app.protocol import ApiError, PreparedCompletion, prepare_completion_request
-from app.serving import (
-    check_engine,
-    completion_logprobs,
-    generate,
-    get_state,
-    merge_streams,
-    read_json_body,
-    usage,
-)
+from app.serving import completion_logprobs, generate, merge_streams, read_request, usage
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState
 from core.outputs import CompletionOutput, RequestOutput
 
 
 async def completions(request: Request) -> Any:
-    state = get_state(request)
-    body = await read_json_body(request)
-    prepared = prepare_completion_request(body, state)
-    check_engine(state)
+    state, prepared = await read_request(request, prepare_completion_request)
     if prepared.stream:
         run = _Run(state, prepared)
         return EventStreamResponse(stream_completion(run), on_sent=run.sent)

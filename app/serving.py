@@ -1,13 +1,13 @@
 """What the chat and text-completion handlers share: reading the request (API key, size limit,
-JSON), driving the engine with errors mapped to ``ApiError``, merging several prompts' streams,
-and the usage and logprobs blocks of the responses."""
+JSON, validation), driving the engine with errors mapped to ``ApiError``, merging several
+prompts' streams, and the usage and logprobs blocks of the responses."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -16,6 +16,8 @@ from app.state import ServerState
 from core.async_engine import EngineDeadError
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
+
+Prepared = TypeVar("Prepared")
 
 
 def get_state(request: Request) -> ServerState:
@@ -58,6 +60,18 @@ async def read_json_body(request: Request) -> dict[str, Any]:
     if size > limit:
         raise _too_large(limit)
     return parse_json_body(b"".join(chunks))
+
+
+async def read_request(request: Request,
+                       prepare: Callable[[dict[str, Any], ServerState], Prepared]
+                       ) -> tuple[ServerState, Prepared]:
+    """Read the body and ``prepare`` it for the engine, then check the engine is running:
+    a request that is wrong gets its 4xx even while the engine is down."""
+    state = get_state(request)
+    body = await read_json_body(request)
+    prepared = prepare(body, state)
+    check_engine(state)
+    return state, prepared
 
 
 def _too_large(limit: int) -> ApiError:

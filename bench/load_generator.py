@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -368,12 +369,7 @@ class LaunchedServer:
         raise TimeoutError("the server did not come up")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 60)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,8 @@ import httpx
 import openai
 import pytest
 
+from bench.processes import stop_process
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +102,7 @@ def _start(model_dir: Path, log: Path, *extra: str) -> Server:
 
 
 def _stop(server: Server) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-    return server.proc.returncode
+    return stop_process(server.proc, 60)
 
 
 @pytest.fixture(scope="session")

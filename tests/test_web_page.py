@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import websockets
 
+from bench.processes import stop_process
 from tests.test_websocket import (
     LONG,
     aborted,
@@ -149,13 +150,8 @@ class Browser:
             await self.conn.close()
         if self._reader is not None:
             self._reader.cancel()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 10)
         shutil.rmtree(self.profile, ignore_errors=True)
 
 

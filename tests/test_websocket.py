@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
 from app.state import ServerSettings, ServerState
 from app.websocket import chat_page, chat_websocket
+from bench.processes import stop_process
 from core.async_engine import EngineDeadError
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
@@ -314,13 +314,7 @@ def running_server(model_dir: Path, log_path: Path, *extra: str,
             time.sleep(0.2)
         yield base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 30)
 
 
 def build_chat_model(path: Path) -> Path:

@@ -84,6 +84,26 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------
+# the K/V tile both attention kernels read
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d, d_mask,
+                  c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                  BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V ``[BLOCK_N, DIM]`` of KV head ``kvh`` at token positions ``pos`` of request
+    ``r``, found through its block table; rows outside ``n_mask`` and padded dims are zero."""
+    blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
+    off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+# --------------------------------------------------------------------------------------
 # decode: split-K paged attention and the merge of the splits
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -120,21 +140,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_pt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
-        blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d,
+                             d_mask, c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                             BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -280,12 +294,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, s
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d,
+                             d_mask, c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                             BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(causal, s, float("-inf"))
@@ -293,9 +304,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, s
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
