@@ -27,6 +27,7 @@ from gpu.attention import triton_kernels as tk  # noqa: E402
 from gpu.attention.metadata import AttentionMetadata  # noqa: E402
 from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention  # noqa: E402
 from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tests.paged_layout import paged_layout, random_caches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
@@ -45,36 +46,12 @@ def _rng(*key: object) -> random.Random:
 
 def _layout(context: list[int], query: list[int], block_size: int, seed: int,
             pad_rows: int = 0) -> AttentionMetadata:
-    """Requests whose ``query[i]`` last tokens of ``context[i] + query[i]`` are computed,
-    over shuffled physical blocks; ``pad_rows`` padded query rows (slot -1) at the end."""
-    seq_lens = [c + q for c, q in zip(context, query)]
-    width = max(-(-s // block_size) for s in seq_lens)
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = len(seq_lens) * width + 3
-    table = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    table = table.view(len(seq_lens), width).to(torch.int32)
-    cu = [0]
-    slots: list[int] = []
-    for i, (c, q) in enumerate(zip(context, query)):
-        cu.append(cu[-1] + q)
-        slots += [int(table[i, p // block_size]) * block_size + p % block_size
-                  for p in range(c, c + q)]
-    slots += [-1] * pad_rows
-    return AttentionMetadata(
-        num_actual_tokens=cu[-1],
-        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots, device=DEVICE),
-        max_query_len=max(query), max_seq_len=max(seq_lens), query_start_loc_cpu=cu,
-        seq_lens_cpu=seq_lens)
+    return paged_layout(context, query, block_size, seed, pad_rows, DEVICE)
 
 
 def _caches(meta: AttentionMetadata, block_size: int, head_dim: int,
             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    num_blocks = int(meta.block_table.max()) + 4
-    shape = (num_blocks, block_size, KV_HEADS, head_dim)
-    return (torch.randn(shape, device=DEVICE).to(dtype),
-            torch.randn(shape, device=DEVICE).to(dtype))
+    return random_caches(meta, block_size, KV_HEADS, head_dim, dtype)
 
 
 def _boundary_lengths(block_size: int, rng: random.Random) -> list[int]:
