@@ -3,7 +3,8 @@
 HF runs padded static batches (left padding); both produce exactly ``--output-len`` tokens per
 prompt (EOS ignored), in the same ``--dtype``. Each side runs in a fresh process of its own, so
 neither inherits the other's allocator state, thread pools or warm caches. Prints and writes
-``bench/results/offline_throughput.json``.
+``bench/results/offline_throughput.json`` (``offline_throughput-bfloat16.json`` with
+``--dtype bfloat16``).
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
 """
@@ -96,7 +97,8 @@ def main() -> None:
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
     print(f"ratio tidal / HF: {ratio:.2f}x")
-    path = write_result("offline_throughput", {
+    name = "offline_throughput" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    path = write_result(name, {
         "workload": vars(args) | {"model": model}, "tidal": ours, "hf_generate": hf,
         "ratio_output_tok_per_s": ratio})
     print(f"wrote {path}")
