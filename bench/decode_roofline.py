@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import tempfile
 from pathlib import Path
 
 import torch
 
 from bench.common import write_result
-from bench.decode_timing import copy_bandwidth, device_slug, time_decode_forward, time_engine_decode
+from bench.decode_timing import (
+    add_decode_args,
+    apply_defaults,
+    copy_bandwidth,
+    device_slug,
+    time_decode_forward,
+    time_engine_decode,
+)
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
 from core import LLM
 
@@ -40,19 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", help="comma-separated (default 1,32,64,128; tiny: 1,4,8)")
     ap.add_argument("--context", type=int, help="prompt tokens per request (1024; tiny: 64)")
     ap.add_argument("--steps", type=int, help="decode steps timed (32; tiny: 8)")
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--model-root", default=str(Path(tempfile.gettempdir()) / "tidal-shapes"))
+    add_decode_args(ap)
     args = ap.parse_args(argv)
-    defaults = TINY_DEFAULTS if args.tiny else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return apply_defaults(args, TINY_DEFAULTS, FULL_DEFAULTS)
 
 
 def make_llm(path: Path, args: argparse.Namespace, max_num_seqs: int, **extra: object) -> LLM:

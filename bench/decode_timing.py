@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,6 +15,25 @@ from bench.common import machine, random_prompts
 from core import LLM, SamplingParams
 from gpu.attention import AttentionMetadata
 from gpu.model_runner import ModelRunner
+
+
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    """Flags every decode benchmark shares (sizes left at None take the tiny or full
+    defaults in ``apply_defaults``)."""
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--model-root", default=str(Path(tempfile.gettempdir()) / "tidal-shapes"))
+
+
+def apply_defaults(args: argparse.Namespace, tiny: dict, full: dict) -> argparse.Namespace:
+    """Fill the size flags left unset from ``tiny`` (with ``--tiny``) or ``full``."""
+    for name, value in (tiny if args.tiny else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def sync(device: str) -> None:

@@ -21,14 +21,17 @@ On the CPU the device work is synchronous, so overlap hides nothing there. Write
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
-
-import torch
 
 from bench.common import write_result
 from bench.decode_roofline import make_llm, model_path, release_memory
-from bench.decode_timing import device_slug, time_decode_forward, time_engine_decode
+from bench.decode_timing import (
+    add_decode_args,
+    apply_defaults,
+    device_slug,
+    time_decode_forward,
+    time_engine_decode,
+)
 
 FULL_DEFAULTS = {"batches": "1,32,128", "context": 512, "steps": 64}
 TINY_DEFAULTS = {"batches": "1,4,8", "context": 64, "steps": 8}
@@ -40,18 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", help="comma-separated (default 1,32,128; tiny: 1,4,8)")
     ap.add_argument("--context", type=int, help="prompt tokens per request (512; tiny: 64)")
     ap.add_argument("--steps", type=int, help="decode steps timed (64; tiny: 8)")
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--model-root", default=str(Path(tempfile.gettempdir()) / "tidal-shapes"))
+    add_decode_args(ap)
     args = ap.parse_args(argv)
-    for name, value in (TINY_DEFAULTS if args.tiny else FULL_DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return apply_defaults(args, TINY_DEFAULTS, FULL_DEFAULTS)
 
 
 def measure(args: argparse.Namespace, batches: list[int], overlap: bool) -> dict[int, dict]:

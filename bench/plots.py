@@ -68,11 +68,7 @@ def throughput_plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(_title(result))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, result, path)
 
 
 def _cdf(ax: Any, quantiles: list[float], label: str, style: dict[str, Any]) -> None:
@@ -114,6 +110,10 @@ def latency_plot(result: dict[str, Any], path: Path, concurrency: int | None = N
         ax.grid(True, which="both", alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
+    return _save(fig, result, path)
+
+
+def _save(fig: Any, result: dict[str, Any], path: Path) -> Path:
     fig.suptitle(_title(result))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
