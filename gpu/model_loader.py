@@ -13,6 +13,7 @@ from safetensors import safe_open
 from gpu.attention import AttentionBackend
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
+from gpu.packed_linear import can_pack, pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
     _load_weights(model, cfg, Path(model_dir))
     model.eval()
+    if can_pack(device, dtype):
+        pack_linear_layers(model)
     return model
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from core import LLM, SamplingParams
 from gpu.model_config import ModelConfig
 from gpu.model_loader import resolve_dtype
+from gpu.packed_linear import PackedLinear
 from gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]
@@ -64,3 +65,9 @@ def test_dtypes_resolve_and_bfloat16_runs(model_dir):
     assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_cpu_model_runs_on_packed_linear_layers(model_dir):
+    model = LLM(str(model_dir)).engine.runner.model
+    assert isinstance(model.lm_head, PackedLinear)
+    assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in model.layers)

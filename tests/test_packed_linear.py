@@ -1,0 +1,54 @@
+"""oneDNN-packed linear layers: same results as ``nn.Linear``, swapped in on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpu.packed_linear import PackedLinear, can_pack, pack_linear_layers
+
+pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32),
+                                reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear_in_float32(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        expected = linear(x)
+        got = PackedLinear(linear)(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_keeps_leading_dims_and_bfloat16() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = PackedLinear(linear)(x)
+        expected = linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 5, 48)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_pack_linear_layers_swaps_nested_linears_only() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        expected = model(x)
+        assert pack_linear_layers(model) == 2
+        got = model(x)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model[2][0], PackedLinear)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_cpu_float_dtypes_are_packed() -> None:
+    assert can_pack("cpu", torch.bfloat16)
+    assert not can_pack("cpu", torch.float16)
+    assert not can_pack("cuda", torch.float32)
