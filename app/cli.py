@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="schedule step N+1 while step N runs on the device "
                        "(default: on GPU only)")
     serve.add_argument("--attention-backend", default=defaults.attention_backend,
-                       choices=["auto", "torch", "triton"],
-                       help="'auto' is torch on CPU and triton on GPU")
+                       choices=["auto", "cpu", "torch", "triton"],
+                       help="'auto' is cpu (C++ decode kernels) on CPU and triton on GPU")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1 requests")
     serve.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",

@@ -26,7 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 while N runs; None: on GPU only
-    attention_backend: str = "auto"  # "auto", "torch" or "triton"
+    attention_backend: str = "auto"  # "auto", "cpu", "torch" or "triton"
     seed: int = 0
 
     def __post_init__(self) -> None:

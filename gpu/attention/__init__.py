@@ -1,22 +1,28 @@
 """Attention backends over the paged KV cache, behind one interface."""
 
 from gpu.attention.backend import AttentionBackend
+from gpu.attention.cpu_backend import CpuAttentionBackend, load_cpu_kernels
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
 
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
-    """``torch`` (the CPU default) or ``triton`` (the GPU default)."""
+    """``cpu`` (the CPU default, C++ decode kernels; ``torch`` where they can't be built),
+    ``torch`` (plain torch everywhere) or ``triton`` (the GPU default)."""
     if name == "auto":
-        name = "triton" if device.startswith("cuda") else "torch"
+        name = "triton" if device.startswith("cuda") else "cpu"
+    if name == "cpu":
+        kernels = load_cpu_kernels()
+        return CpuAttentionBackend(kernels) if kernels is not None else TorchAttentionBackend()
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
         from gpu.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', got {name!r}")
+    raise ValueError("attention_backend must be one of 'auto', 'cpu', 'torch', 'triton', "
+                     f"got {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend",
+__all__ = ["AttentionBackend", "AttentionMetadata", "CpuAttentionBackend", "TorchAttentionBackend",
            "get_attention_backend"]

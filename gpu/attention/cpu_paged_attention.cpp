@@ -1,0 +1,190 @@
+// Decode attention that reads the paged KV cache in place, for the CPU.
+//
+// The torch path gathers every decode row's context into a contiguous copy before attending,
+// which moves each layer's whole KV context through memory three times a step. These two
+// kernels read each key and value once, straight from its block: `decode_scores` computes the
+// scaled q.k of every context position, torch's softmax normalises them, and
+// `decode_weighted_values` sums the values under those weights. Work is split over
+// requests with at::parallel_for, on torch's own thread pool.
+//
+// Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
+// [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
+// seq_lens [requests] int32; rows and tokens [n] int64 (request i's query row is tokens[i]);
+// scores/probs [n, heads, max_len] float32.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace {
+
+struct Paged {
+  int64_t block_size, block_stride, token_stride;
+  const int32_t* block_table;
+  int64_t table_stride;
+
+  // Offset of (position p, kv head h) of request r in the cache, in elements.
+  inline int64_t offset(int64_t r, int64_t p, int64_t h, int64_t head_dim) const {
+    const int64_t block = block_table[r * table_stride + p / block_size];
+    return block * block_stride + (p % block_size) * token_stride + h * head_dim;
+  }
+
+  // Blocks are scattered, so the hardware prefetcher stalls at each one; fetch the token row
+  // one block ahead of position p (when the request has one) while p is being read.
+  template <typename scalar_t>
+  inline void prefetch_ahead(const scalar_t* base, int64_t r, int64_t p, int64_t len) const {
+    const int64_t ahead = p + block_size;
+    if (ahead >= len) return;
+    const char* row = reinterpret_cast<const char*>(base + offset(r, ahead, 0, 0));
+    const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+};
+
+Paged paged_view(const torch::Tensor& cache, const torch::Tensor& block_table) {
+  return Paged{cache.size(1), cache.stride(0), cache.stride(1),
+               block_table.data_ptr<int32_t>(), block_table.stride(0)};
+}
+
+void check_inputs(const torch::Tensor& query, const torch::Tensor& cache,
+                  const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                  const torch::Tensor& rows, const torch::Tensor& tokens) {
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, head_dim] with contiguous rows");
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-D");
+  TORCH_CHECK(query.size(2) == cache.size(3), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "block_table must be int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && tokens.scalar_type() == torch::kInt64 &&
+                  rows.is_contiguous() && tokens.is_contiguous() && rows.numel() == tokens.numel(),
+              "rows and tokens must be contiguous int64 of one length");
+}
+
+template <typename scalar_t>
+void scores_kernel(const torch::Tensor& query, const torch::Tensor& key_cache,
+                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                   const torch::Tensor& rows, const torch::Tensor& tokens, double scale,
+                   torch::Tensor& scores) {
+  const int64_t n = rows.numel(), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(2), group = heads / kv_heads;
+  const int64_t max_len = scores.size(2);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  float* out = scores.data_ptr<float>();
+  const Paged cache = paged_view(key_cache, block_table);
+  const float s = static_cast<float>(scale);
+  const int64_t q_stride = query.stride(0);
+
+  // One request per task, all its heads at once: each cached token's keys for every head
+  // are one contiguous row, so a block is read front to back.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim);
+    for (int64_t req = begin; req < end; ++req) {
+      const int64_t r = row[req], len = lens[r];
+      const scalar_t* qr = q + tok[req] * q_stride;
+      for (int64_t j = 0; j < heads * dim; ++j) qf[j] = static_cast<float>(qr[j]) * s;
+      float* sc = out + req * heads * max_len;
+      for (int64_t p = 0; p < len; ++p) {
+        const scalar_t* kp = k + cache.offset(r, p, 0, dim);
+        cache.prefetch_ahead(k, r, p, len);
+        for (int64_t head = 0; head < heads; ++head) {
+          const float* qh = qf.data() + head * dim;
+          const scalar_t* kh = kp + (head / group) * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
+          sc[head * max_len + p] = dot;
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void weighted_values_kernel(const torch::Tensor& probs, const torch::Tensor& value_cache,
+                            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                            const torch::Tensor& rows, const torch::Tensor& tokens,
+                            torch::Tensor& out) {
+  const int64_t n = rows.numel(), heads = out.size(1), dim = out.size(2);
+  const int64_t kv_heads = value_cache.size(2), group = heads / kv_heads;
+  const int64_t max_len = probs.size(2);
+  const float* pr = probs.data_ptr<float>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const Paged cache = paged_view(value_cache, block_table);
+  const int64_t o_stride = out.stride(0);
+
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(heads * dim);
+    for (int64_t req = begin; req < end; ++req) {
+      const int64_t r = row[req], len = lens[r];
+      const float* w = pr + req * heads * max_len;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const scalar_t* vp = v + cache.offset(r, p, 0, dim);
+        cache.prefetch_ahead(v, r, p, len);
+        for (int64_t head = 0; head < heads; ++head) {
+          float* ah = acc.data() + head * dim;
+          const scalar_t* vh = vp + (head / group) * dim;
+          const float wh = w[head * max_len + p];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ah[d] += wh * static_cast<float>(vh[d]);
+        }
+      }
+      scalar_t* o_row = o + tok[req] * o_stride;
+      for (int64_t j = 0; j < heads * dim; ++j) o_row[j] = static_cast<scalar_t>(acc[j]);
+    }
+  });
+}
+
+}  // namespace
+
+// Scaled q.k scores [n, heads, max_len] (float32); positions past a row's length are left
+// untouched, so callers pass a tensor filled with -inf.
+void decode_scores(torch::Tensor scores, torch::Tensor query, torch::Tensor key_cache,
+                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
+                   torch::Tensor tokens, double scale) {
+  check_inputs(query, key_cache, block_table, seq_lens, rows, tokens);
+  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.is_contiguous() &&
+                  scores.size(0) == rows.numel() && scores.size(1) == query.size(1),
+              "scores must be contiguous float32 [n, heads, max_len]");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, query.scalar_type(), "decode_scores",
+                                 [&] {
+                                   scores_kernel<scalar_t>(query, key_cache, block_table,
+                                                           seq_lens, rows, tokens, scale, scores);
+                                 });
+}
+
+// out[tokens[i]] = sum over positions of probs[i] * value (written in place, in out's dtype).
+void decode_weighted_values(torch::Tensor out, torch::Tensor probs, torch::Tensor value_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
+                            torch::Tensor tokens) {
+  check_inputs(out, value_cache, block_table, seq_lens, rows, tokens);
+  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 && probs.is_contiguous() &&
+                  probs.size(0) == rows.numel() && probs.size(1) == out.size(1),
+              "probs must be contiguous float32 [n, heads, max_len]");
+  TORCH_CHECK(out.scalar_type() == value_cache.scalar_type(), "out and cache dtypes differ");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out.scalar_type(),
+                                 "decode_weighted_values", [&] {
+                                   weighted_values_kernel<scalar_t>(probs, value_cache,
+                                                                    block_table, seq_lens, rows,
+                                                                    tokens, out);
+                                 });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");
+  m.def("decode_weighted_values", &decode_weighted_values, "probs @ V over the paged cache");
+}

@@ -1,0 +1,88 @@
+"""The CPU attention backends (C++ decode kernels, and plain torch) against the per-request
+reference on ragged paged layouts with GQA: decode rows of many lengths, prefill chunks over
+cached context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu.attention import AttentionBackend, get_attention_backend
+from gpu.attention.cpu_backend import CpuAttentionBackend, load_cpu_kernels
+from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention
+from tests.paged_layout import paged_layout, random_caches
+
+KV_HEADS = 2
+
+
+def test_cpu_default_is_the_compiled_kernels():
+    """The kernels build here (CI has a compiler): a failed build must not pass unseen."""
+    assert load_cpu_kernels() is not None
+    assert isinstance(get_attention_backend("auto", "cpu"), CpuAttentionBackend)
+
+
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request) -> AttentionBackend:
+    return get_attention_backend(request.param, "cpu")
+
+
+def _contexts(block_size: int, seed: int) -> list[int]:
+    """Lengths at block boundaries, a single token, and random ones up to a few hundred."""
+    rng = random.Random(seed)
+    fixed = [0, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+    return fixed + [rng.randint(1, 300) for _ in range(10)]
+
+
+def _run(backend: AttentionBackend, context: list[int], query_lens: list[int],
+         block_size: int, head_dim: int, group: int,
+         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    meta = paged_layout(context, query_lens, block_size, seed=len(context) + head_dim)
+    key_cache, value_cache = random_caches(meta, block_size, KV_HEADS, head_dim, dtype)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, head_dim).to(dtype)
+    got = backend.forward(query, key_cache, value_cache, meta, 0.17)
+    ref = reference_paged_attention(query.float(), key_cache.float(), value_cache.float(), meta,
+                                    0.17)
+    return got, ref
+
+
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 2), (16, 32, 1), (32, 80, 4)])
+def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, group):
+    context = _contexts(block_size, seed=block_size + head_dim)
+    got, ref = _run(backend, context, [1] * len(context), block_size, head_dim, group,
+                    torch.float32)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_mixed_prefill_and_decode_match(backend, dtype, atol):
+    """Decode rows beside prefill chunks, some of them over cached context."""
+    context = [0, 40, 17, 0, 130, 5]
+    query_lens = [9, 1, 20, 1, 1, 33]
+    got, ref = _run(backend, context, query_lens, 16, 64, 2, dtype)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+
+
+
+def test_decode_kernels_reject_mismatched_inputs():
+    kernels = load_cpu_kernels()
+    meta = paged_layout([5, 9], [1, 1], 16, seed=0)
+    key_cache, _ = random_caches(meta, 16, KV_HEADS, 64)
+    query = torch.randn(2, 4, 32)  # head_dim 32 against the cache's 64
+    scores = torch.full((2, 4, 10), float("-inf"))
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernels.decode_scores(scores, query, key_cache, meta.block_table, meta.seq_lens, rows,
+                              rows, 1.0)
+
+
+def test_backend_names_are_checked():
+    assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="'cpu', 'torch', 'triton'"):
+        get_attention_backend("flash", "cpu")
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("TIDAL_NO_CPU_KERNELS", "1")
+    assert load_cpu_kernels.__wrapped__() is None
