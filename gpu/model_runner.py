@@ -3,6 +3,7 @@ calls the model over the paged KV cache, and samples where a next token is due."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, fields, replace
 
@@ -14,6 +15,7 @@ from core.outputs import TokenLogprobs
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
+from gpu.cpu_kernels import denormals_flushed
 from gpu.cuda_graphs import CudaGraphRunner
 from gpu.host_allocator import keep_freed_host_memory
 from gpu.input_batch import CachedRequestState, InputBatch
@@ -144,10 +146,14 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).result()
 
-    @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch a step. The sampled ids stay on the device (the next step reads them from
         there); the returned handle brings them to the host when asked."""
+        with denormals_flushed() if self.device == "cpu" else contextlib.nullcontext():
+            return self._launch_step(sched)
+
+    @torch.inference_mode()
+    def _launch_step(self, sched: SchedulerOutput) -> StepHandle:
         prof = self.profiler
         self._update_states(sched)
         if sched.is_empty:

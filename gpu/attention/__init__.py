@@ -1,9 +1,10 @@
 """Attention backends over the paged KV cache, behind one interface."""
 
 from gpu.attention.backend import AttentionBackend
-from gpu.attention.cpu_backend import CpuAttentionBackend, load_cpu_kernels
+from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
+from gpu.cpu_kernels import load_cpu_kernels
 
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:

@@ -1,4 +1,5 @@
-// Decode attention that reads the paged KV cache in place, for the CPU.
+// CPU kernels: decode attention that reads the paged KV cache in place, and a switch that
+// flushes denormal floats to zero on torch's worker threads.
 //
 // The torch path gathers every decode row's context into a contiguous copy before attending,
 // which moves each layer's whole KV context through memory three times a step. These two
@@ -14,6 +15,11 @@
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define TIDAL_HAS_MXCSR 1
+#endif
 
 #include <vector>
 
@@ -184,7 +190,24 @@ void decode_weighted_values(torch::Tensor out, torch::Tensor probs, torch::Tenso
                                  });
 }
 
+// Sets flush-to-zero and denormals-are-zero on every thread of the calling thread's torch
+// pool (each worker keeps its own floating-point control register). Returns false where the
+// CPU has no such switch.
+bool flush_denormals_in_pool() {
+#ifdef TIDAL_HAS_MXCSR
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [](int64_t, int64_t) {
+    _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ (bit 15) and DAZ (bit 6)
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("flush_denormals_in_pool", &flush_denormals_in_pool,
+        "flush denormals to zero on torch's worker threads");
   m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");
   m.def("decode_weighted_values", &decode_weighted_values, "probs @ V over the paged cache");
 }

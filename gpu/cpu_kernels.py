@@ -1,0 +1,101 @@
+"""Compiled CPU kernels (``cpu_kernels.cpp``): paged decode attention and thread settings.
+
+The source is compiled on first use with torch's extension builder (a C++ compiler and ninja
+are needed) for this machine's instruction set, and cached under ``TORCH_EXTENSIONS_DIR``; the
+first start on a machine spends about half a minute on it. Where it cannot be built, callers
+keep their plain torch paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels
+
+_pool_flushed = threading.local()
+
+
+@contextlib.contextmanager
+def denormals_flushed() -> Iterator[None]:
+    """Flush denormal floats to zero while the block runs on this thread; on its torch worker
+    threads, for good (they run nothing but torch work).
+
+    Softmax leaves many attention weights below float32's normal range (exp of a score far
+    under the row's maximum), and every multiply that touches one takes x86's slow microcode
+    path: with real scores, decode attention ran twice slower and its softmax four times.
+    A denormal weight changes no output that float32 can represent, so flushing is exact for
+    inference. The calling thread is restored on exit (to the default, unflushed), as Python's
+    own float maths runs on it. The workers are reached through the kernels; without them only
+    the calling thread is flushed.
+    """
+    torch.set_flush_denormal(True)
+    try:
+        if not getattr(_pool_flushed, "done", False):
+            kernels = load_cpu_kernels()
+            if kernels is not None:
+                kernels.flush_denormals_in_pool()
+            _pool_flushed.done = True
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, or ``None`` (with a warning saying why) where they can't be built."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    from torch.utils.cpp_extension import load
+
+    _put_interpreter_bin_on_path()
+    name = f"tidal_cpu_kernels_{_build_key()}"
+    logger.info("loading the C++ CPU kernels (built once per machine)")
+    try:
+        return load(name=name, sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
+        logger.warning("C++ CPU kernels unavailable, using plain torch: %s",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+
+
+def _put_interpreter_bin_on_path() -> None:
+    """torch's builder looks for ninja on PATH; the ``ninja`` wheel installs it beside this
+    interpreter, which is not on PATH when a virtualenv's python is run without activating."""
+    bin_dir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build_key() -> str:
+    """Source and CPU features: a build made with ``-march=native`` on another machine (a
+    shared home directory) must not be loaded here."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:12]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
