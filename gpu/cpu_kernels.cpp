@@ -1,5 +1,7 @@
-// CPU kernels: decode attention that reads the paged KV cache in place, and a switch that
-// flushes denormal floats to zero on torch's worker threads.
+// CPU kernels: decode attention that reads the paged KV cache in place, RMSNorm and rotary
+// embeddings fused into one pass each (torch runs them as 6 and 14 small ops, whose fixed costs
+// dominate at decode batch sizes), and a switch that flushes denormal floats to zero on torch's
+// worker threads.
 //
 // The torch path gathers every decode row's context into a contiguous copy before attending,
 // which moves each layer's whole KV context through memory three times a step. These two
@@ -21,6 +23,7 @@
 #define TIDAL_HAS_MXCSR 1
 #endif
 
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -154,7 +157,101 @@ void weighted_values_kernel(const torch::Tensor& probs, const torch::Tensor& val
   });
 }
 
+template <typename scalar_t>
+void rms_norm_kernel(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                     double eps) {
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  const scalar_t* w = weight.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = in + r * dim;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t j = 0; j < dim; ++j) {
+        const float v = static_cast<float>(xr[j]);
+        squares += v * v;
+      }
+      const float mean = squares / static_cast<float>(dim);
+      const float inv = 1.f / std::sqrt(mean + static_cast<float>(eps));
+      scalar_t* orow = o + r * dim;
+      // as HF: normalise in float32, round to the input dtype, then scale by the weight
+      for (int64_t j = 0; j < dim; ++j) {
+        const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[j]) * inv);
+        orow[j] = static_cast<scalar_t>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+// Non-interleaved ("rotate half") rotation of every head of x [tokens, heads, head_dim], in
+// place, by the float32 cos/sin rows [max_positions, head_dim] of each token's position.
+template <typename scalar_t>
+void rotate_in_place(torch::Tensor& x, const float* cos, const float* sin, const int64_t* pos,
+                     int64_t begin, int64_t end) {
+  const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  scalar_t* base = x.data_ptr<scalar_t>();
+  for (int64_t t = begin; t < end; ++t) {
+    const float* c = cos + pos[t] * dim;
+    const float* s = sin + pos[t] * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      scalar_t* xh = base + t * token_stride + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = static_cast<float>(xh[i]), x2 = static_cast<float>(xh[i + half]);
+        xh[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
+        xh[i + half] = static_cast<scalar_t>(x2 * c[i + half] + x1 * s[i + half]);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// RMSNorm of the rows of a contiguous x ([..., dim]) into a new tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [dim] in x's dtype");
+  torch::Tensor out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm",
+                                 [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps); });
+  return out;
+}
+
+// Rotates query [tokens, heads, head_dim] and key [tokens, kv_heads, head_dim] in place
+// (rows may be strided, as views into a fused qkv projection; each head contiguous).
+void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                      torch::Tensor sin, torch::Tensor positions) {
+  for (const auto& x : {query, key}) {
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 &&
+                    x.size(2) == cos.size(1) && x.size(2) % 2 == 0 &&
+                    x.size(0) == positions.numel() && x.scalar_type() == query.scalar_type(),
+                "query/key must be [tokens, heads, head_dim] with contiguous heads");
+  }
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
+              "cos/sin must be contiguous float32 [max_positions, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t tokens = positions.numel(), max_positions = cos.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions, "position ", pos[t], " out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, query.scalar_type(), "rotary", [&] {
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      rotate_in_place<scalar_t>(query, cos.data_ptr<float>(), sin.data_ptr<float>(), pos, begin,
+                                end);
+      rotate_in_place<scalar_t>(key, cos.data_ptr<float>(), sin.data_ptr<float>(), pos, begin,
+                                end);
+    });
+  });
+}
+
 
 // Scaled q.k scores [n, heads, max_len] (float32); positions past a row's length are left
 // untouched, so callers pass a tensor filled with -inf.
@@ -208,6 +305,8 @@ bool flush_denormals_in_pool() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flush_denormals_in_pool", &flush_denormals_in_pool,
         "flush denormals to zero on torch's worker threads");
+  m.def("rms_norm", &rms_norm, "RMSNorm, normalised in float32 (HF's order of rounding)");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");
   m.def("decode_weighted_values", &decode_weighted_values, "probs @ V over the paged cache");
 }

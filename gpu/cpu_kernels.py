@@ -55,6 +55,13 @@ def denormals_flushed() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
+def cpu_kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernels where ``x`` is a CPU tensor of a dtype they handle and they are built."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_cpu_kernels()
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or ``None`` (with a warning saying why) where they can't be built."""

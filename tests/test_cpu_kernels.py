@@ -1,9 +1,16 @@
-"""The compiled CPU kernels' thread settings: denormals flushed on the whole torch pool."""
+"""The compiled CPU kernels: fused RMSNorm and rotary embeddings against their torch forms, and
+denormals flushed on the whole torch pool."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from gpu import layers
+from gpu.cpu_kernels import load_cpu_kernels
 
 # A fresh interpreter, whose worker threads have never been flushed.
 SCRIPT = """
@@ -27,3 +34,48 @@ def test_denormals_flushed_on_every_worker_and_restored_on_the_caller():
     assert int(out[1]) == 1 << 20  # a multiply split across the pool: every share flushed
     assert out[2] == "True"  # 1e-30 is a normal float: untouched
     assert out[3] == "True"  # the calling thread keeps IEEE denormals outside the block
+
+
+@pytest.fixture
+def torch_forms(monkeypatch):
+    """Calls the layers' plain torch forms, with the kernels switched off."""
+    def run(fn):
+        with monkeypatch.context() as patch:
+            patch.setattr(layers, "cpu_kernels_for", lambda x: None)
+            return fn()
+    return run
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_kernel_matches_the_torch_form(torch_forms, dtype, tol):
+    torch.manual_seed(0)
+    norm = layers.RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = (torch.randn(37, 96) * 3).to(dtype)
+    assert load_cpu_kernels() is not None
+    got = norm(x)
+    expected = torch_forms(lambda: norm(x))
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_rotary_kernel_rotates_strided_views_in_place(torch_forms, dtype, tol):
+    """q and k as views into one fused projection, as the attention layer makes them."""
+    torch.manual_seed(1)
+    rope = layers.RotaryEmbedding(64, 512, 10000.0)
+    qkv = torch.randn(9, (4 + 2 + 2) * 64).to(dtype)
+    positions = torch.tensor([0, 1, 2, 100, 101, 300, 5, 511, 7])
+
+    def views(t):
+        q, k, _ = t.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+        return q.view(9, 4, 64), k.view(9, 2, 64)
+
+    expected_q, expected_k = torch_forms(lambda: rope(positions, *views(qkv.clone())))
+    fused = qkv.clone()
+    got_q, got_k = rope(positions, *views(fused))
+    torch.testing.assert_close(got_q.float(), expected_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), expected_k.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[:, 6 * 64:], qkv[:, 6 * 64:])  # v untouched
+    with pytest.raises(RuntimeError, match="out of range"):
+        rope(torch.tensor([512] * 9), *views(fused))
