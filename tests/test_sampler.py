@@ -13,7 +13,7 @@ from core import LLM, SamplingParams
 from core.scheduler_output import NewRequestData
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.random_model import build_model_dir
-from gpu.sampler import Sampler, process_logits
+from gpu.sampler import Sampler, process_logits, row_argmax
 from gpu.sampling_metadata import build_sampling_metadata
 
 VOCAB = 32
@@ -375,3 +375,11 @@ def test_penalties_give_the_same_tokens_with_async_scheduling(model_path):
     assert overlap == sync
     assert plain != sync
     assert all(len(ids) == 20 for ids in sync)
+
+
+def test_row_argmax_takes_the_first_of_tied_maxima():
+    x = torch.randn(6, 8192)
+    x[:, 4000] = x[:, 17] = x[:, 8000] = 1e9  # ties: the first index wins, as argmax's
+    x[5, 3] = 2e9
+    assert row_argmax(x).tolist() == [17] * 5 + [3]
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
