@@ -1,7 +1,7 @@
-// CPU kernels: decode attention that reads the paged KV cache in place, RMSNorm and rotary
-// embeddings fused into one pass each (torch runs them as 6 and 14 small ops, whose fixed costs
-// dominate at decode batch sizes), and a switch that flushes denormal floats to zero on torch's
-// worker threads.
+// CPU kernels: decode attention that reads the paged KV cache in place, the cache write,
+// RMSNorm and rotary embeddings fused into one pass each (torch runs them as 6 and 14 small
+// ops, whose fixed costs dominate at decode batch sizes), and a switch that flushes denormal
+// floats to zero on torch's worker threads.
 //
 // The torch path gathers every decode row's context into a contiguous copy before attending,
 // which moves each layer's whole KV context through memory three times a step. These two
@@ -24,6 +24,7 @@
 #endif
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -210,6 +211,41 @@ void rotate_in_place(torch::Tensor& x, const float* cos, const float* sin, const
 
 }  // namespace
 
+// Stores key/value rows [tokens, kv_heads, head_dim] (rows may be strided, heads contiguous)
+// at their cache slots; a slot of -1 (a padded row) is skipped.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  const int64_t n = slot_mapping.numel();
+  for (const auto& x : {key, value}) {
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 &&
+                    x.stride(1) == x.size(2) && x.size(0) >= n &&
+                    x.size(1) * x.size(2) == key_cache.stride(1) &&
+                    x.scalar_type() == key_cache.scalar_type(),
+                "key/value must be [tokens, kv_heads, head_dim] rows in the cache's dtype");
+  }
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "caches must be contiguous and of one shape");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range");
+  }
+  const int64_t row_bytes = key_cache.stride(1) * key_cache.element_size();
+  auto copy_rows = [&](const torch::Tensor& src, torch::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    const int64_t src_stride = src.stride(0) * src.element_size();
+    for (int64_t t = 0; t < n; ++t) {
+      if (slots[t] >= 0) std::memcpy(to + slots[t] * row_bytes, from + t * src_stride, row_bytes);
+    }
+  };
+  copy_rows(key, key_cache);
+  copy_rows(value, value_cache);
+}
+
 // RMSNorm of the rows of a contiguous x ([..., dim]) into a new tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
@@ -305,6 +341,7 @@ bool flush_denormals_in_pool() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flush_denormals_in_pool", &flush_denormals_in_pool,
         "flush denormals to zero on torch's worker threads");
+  m.def("write_kv", &write_kv, "store key/value rows at their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm, normalised in float32 (HF's order of rounding)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");

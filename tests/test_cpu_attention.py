@@ -87,3 +87,21 @@ def test_backend_names_are_checked():
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("TIDAL_NO_CPU_KERNELS", "1")
     assert load_cpu_kernels.__wrapped__() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_cache_write_matches_the_torch_write(dtype):
+    """Rows strided as views into a fused projection; a padded row (slot -1) is skipped."""
+    meta = paged_layout([3, 20], [4, 1], 16, seed=3, pad_rows=2)
+    base = random_caches(meta, 16, KV_HEADS, 32, dtype)
+    caches = [tuple(c.clone() for c in base) for _ in range(2)]
+    fused = torch.randn(7, 3 * KV_HEADS * 32).to(dtype)
+    key = fused[:, :KV_HEADS * 32].view(7, KV_HEADS, 32)
+    value = fused[:, KV_HEADS * 32: 2 * KV_HEADS * 32].view(7, KV_HEADS, 32)
+    get_attention_backend("cpu", "cpu").write_kv(key, value, *caches[0], meta.slot_mapping)
+    TorchAttentionBackend().write_kv(key, value, *caches[1], meta.slot_mapping)
+    assert meta.slot_mapping.tolist()[-2:] == [-1, -1]
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    slot = int(meta.slot_mapping[0])
+    assert torch.equal(caches[0][0].flatten(0, 1)[slot], key[0])  # really written
+    assert not torch.equal(base[0].flatten(0, 1)[slot], key[0])

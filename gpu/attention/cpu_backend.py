@@ -1,5 +1,5 @@
 """The CPU attention backend: decode rows read the paged cache in place through C++ kernels
-(``gpu/cpu_kernels.cpp``).
+(``gpu/cpu_kernels.cpp``), which also store each step's keys and values.
 
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
 which gathers each decode row's context into a copy first. Prefill chunks take the torch path
@@ -21,6 +21,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if key.dtype != key_cache.dtype:
+            return super().write_kv(key, value, key_cache, value_cache, slot_mapping)
+        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, rows: list[int],
