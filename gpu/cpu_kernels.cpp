@@ -12,8 +12,9 @@
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
 // [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
-// seq_lens [requests] int32; rows and tokens [n] int64 (request i's query row is tokens[i]);
-// scores/probs [n, heads, max_len] float32.
+// seq_lens [requests] int32; requests and query_rows [n] int64: the i-th attended row is
+// request requests[i], whose query is query[query_rows[i]]; scores/probs [n, heads, max_len]
+// float32. Every index is checked before any is used.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -23,9 +24,15 @@
 #define TIDAL_HAS_MXCSR 1
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+// float32, float64, bfloat16 and float16: the element type is scalar_t inside the lambda.
+#define TIDAL_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, TYPE, NAME, \
+                                  __VA_ARGS__)
 
 namespace {
 
@@ -39,17 +46,6 @@ struct Paged {
     const int64_t block = block_table[r * table_stride + p / block_size];
     return block * block_stride + (p % block_size) * token_stride + h * head_dim;
   }
-
-  // Blocks are scattered, so the hardware prefetcher stalls at each one; fetch the token row
-  // one block ahead of position p (when the request has one) while p is being read.
-  template <typename scalar_t>
-  inline void prefetch_ahead(const scalar_t* base, int64_t r, int64_t p, int64_t len) const {
-    const int64_t ahead = p + block_size;
-    if (ahead >= len) return;
-    const char* row = reinterpret_cast<const char*>(base + offset(r, ahead, 0, 0));
-    const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-  }
 };
 
 Paged paged_view(const torch::Tensor& cache, const torch::Tensor& block_table) {
@@ -59,35 +55,59 @@ Paged paged_view(const torch::Tensor& cache, const torch::Tensor& block_table) {
 
 void check_inputs(const torch::Tensor& query, const torch::Tensor& cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                  const torch::Tensor& rows, const torch::Tensor& tokens) {
-  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "CPU tensors expected");
+                  const torch::Tensor& requests, const torch::Tensor& query_rows,
+                  int64_t max_len) {
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu() &&
+                  block_table.device().is_cpu() && seq_lens.device().is_cpu(),
+              "CPU tensors expected");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be [tokens, heads, head_dim] with contiguous rows");
+              "query/out must be [tokens, heads, head_dim] with contiguous rows");
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-D");
+  TORCH_CHECK(query.scalar_type() == cache.scalar_type(), "query/out and cache dtypes differ");
   TORCH_CHECK(query.size(2) == cache.size(3), "head_dim differs between query and cache");
   TORCH_CHECK(query.size(1) % cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
-              "block_table must be int32 with contiguous rows");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
+                  block_table.stride(1) == 1,
+              "block_table must be 2-D int32 with contiguous rows");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
               "seq_lens must be contiguous int32");
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && tokens.scalar_type() == torch::kInt64 &&
-                  rows.is_contiguous() && tokens.is_contiguous() && rows.numel() == tokens.numel(),
-              "rows and tokens must be contiguous int64 of one length");
+  TORCH_CHECK(requests.scalar_type() == torch::kInt64 &&
+                  query_rows.scalar_type() == torch::kInt64 && requests.is_contiguous() &&
+                  query_rows.is_contiguous() && requests.numel() == query_rows.numel(),
+              "requests and query_rows must be contiguous int64 of one length");
+  const int64_t* req = requests.data_ptr<int64_t>();
+  const int64_t* qrow = query_rows.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_requests = std::min(seq_lens.numel(), block_table.size(0));
+  const int64_t block_size = cache.size(1), num_blocks = cache.size(0);
+  for (int64_t i = 0; i < requests.numel(); ++i) {
+    const int64_t r = req[i];
+    TORCH_CHECK(r >= 0 && r < num_requests, "request ", r, " out of range");
+    TORCH_CHECK(qrow[i] >= 0 && qrow[i] < query.size(0), "query row ", qrow[i], " out of range");
+    const int64_t len = lens[r];
+    TORCH_CHECK(len >= 1 && len <= max_len && len <= block_table.size(1) * block_size,
+                "seq_len ", len, " of request ", r, " exceeds the scores or the block table");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int32_t block = table[r * block_table.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " out of range");
+    }
+  }
 }
 
 template <typename scalar_t>
 void scores_kernel(const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                   const torch::Tensor& rows, const torch::Tensor& tokens, double scale,
-                   torch::Tensor& scores) {
-  const int64_t n = rows.numel(), heads = query.size(1), dim = query.size(2);
+                   const torch::Tensor& requests, const torch::Tensor& query_rows,
+                   double scale, torch::Tensor& scores) {
+  const int64_t n = requests.numel(), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(2), group = heads / kv_heads;
   const int64_t max_len = scores.size(2);
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* k = key_cache.data_ptr<scalar_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* req_of = requests.data_ptr<int64_t>();
+  const int64_t* qrow = query_rows.data_ptr<int64_t>();
   float* out = scores.data_ptr<float>();
   const Paged cache = paged_view(key_cache, block_table);
   const float s = static_cast<float>(scale);
@@ -97,14 +117,13 @@ void scores_kernel(const torch::Tensor& query, const torch::Tensor& key_cache,
   // are one contiguous row, so a block is read front to back.
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * dim);
-    for (int64_t req = begin; req < end; ++req) {
-      const int64_t r = row[req], len = lens[r];
-      const scalar_t* qr = q + tok[req] * q_stride;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = req_of[i], len = lens[r];
+      const scalar_t* qr = q + qrow[i] * q_stride;
       for (int64_t j = 0; j < heads * dim; ++j) qf[j] = static_cast<float>(qr[j]) * s;
-      float* sc = out + req * heads * max_len;
+      float* sc = out + i * heads * max_len;
       for (int64_t p = 0; p < len; ++p) {
         const scalar_t* kp = k + cache.offset(r, p, 0, dim);
-        cache.prefetch_ahead(k, r, p, len);
         for (int64_t head = 0; head < heads; ++head) {
           const float* qh = qf.data() + head * dim;
           const scalar_t* kh = kp + (head / group) * dim;
@@ -121,29 +140,28 @@ void scores_kernel(const torch::Tensor& query, const torch::Tensor& key_cache,
 template <typename scalar_t>
 void weighted_values_kernel(const torch::Tensor& probs, const torch::Tensor& value_cache,
                             const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                            const torch::Tensor& rows, const torch::Tensor& tokens,
+                            const torch::Tensor& requests, const torch::Tensor& query_rows,
                             torch::Tensor& out) {
-  const int64_t n = rows.numel(), heads = out.size(1), dim = out.size(2);
+  const int64_t n = requests.numel(), heads = out.size(1), dim = out.size(2);
   const int64_t kv_heads = value_cache.size(2), group = heads / kv_heads;
   const int64_t max_len = probs.size(2);
   const float* pr = probs.data_ptr<float>();
   const scalar_t* v = value_cache.data_ptr<scalar_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* req_of = requests.data_ptr<int64_t>();
+  const int64_t* qrow = query_rows.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const Paged cache = paged_view(value_cache, block_table);
   const int64_t o_stride = out.stride(0);
 
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads * dim);
-    for (int64_t req = begin; req < end; ++req) {
-      const int64_t r = row[req], len = lens[r];
-      const float* w = pr + req * heads * max_len;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = req_of[i], len = lens[r];
+      const float* w = pr + i * heads * max_len;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < len; ++p) {
         const scalar_t* vp = v + cache.offset(r, p, 0, dim);
-        cache.prefetch_ahead(v, r, p, len);
         for (int64_t head = 0; head < heads; ++head) {
           float* ah = acc.data() + head * dim;
           const scalar_t* vh = vp + (head / group) * dim;
@@ -152,7 +170,7 @@ void weighted_values_kernel(const torch::Tensor& probs, const torch::Tensor& val
           for (int64_t d = 0; d < dim; ++d) ah[d] += wh * static_cast<float>(vh[d]);
         }
       }
-      scalar_t* o_row = o + tok[req] * o_stride;
+      scalar_t* o_row = o + qrow[i] * o_stride;
       for (int64_t j = 0; j < heads * dim; ++j) o_row[j] = static_cast<scalar_t>(acc[j]);
     }
   });
@@ -223,9 +241,11 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                     x.scalar_type() == key_cache.scalar_type(),
                 "key/value must be [tokens, kv_heads, head_dim] rows in the cache's dtype");
   }
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes(),
-              "caches must be contiguous and of one shape");
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "caches must be contiguous CPU tensors of one shape and dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
               "slot_mapping must be contiguous int64");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -253,8 +273,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
                   weight.scalar_type() == x.scalar_type(),
               "weight must be [dim] in x's dtype");
   torch::Tensor out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm",
-                                 [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps); });
+  TIDAL_DISPATCH(x.scalar_type(), "rms_norm",
+                 [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps); });
   return out;
 }
 
@@ -278,7 +298,7 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions, "position ", pos[t], " out of range");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, query.scalar_type(), "rotary", [&] {
+  TIDAL_DISPATCH(query.scalar_type(), "rotary", [&] {
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       rotate_in_place<scalar_t>(query, cos.data_ptr<float>(), sin.data_ptr<float>(), pos, begin,
                                 end);
@@ -288,39 +308,35 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
   });
 }
 
-
 // Scaled q.k scores [n, heads, max_len] (float32); positions past a row's length are left
 // untouched, so callers pass a tensor filled with -inf.
 void decode_scores(torch::Tensor scores, torch::Tensor query, torch::Tensor key_cache,
-                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
-                   torch::Tensor tokens, double scale) {
-  check_inputs(query, key_cache, block_table, seq_lens, rows, tokens);
-  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.is_contiguous() &&
-                  scores.size(0) == rows.numel() && scores.size(1) == query.size(1),
+                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor requests,
+                   torch::Tensor query_rows, double scale) {
+  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == torch::kFloat32 &&
+                  scores.is_contiguous() && scores.size(0) == requests.numel() &&
+                  scores.size(1) == query.size(1),
               "scores must be contiguous float32 [n, heads, max_len]");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, query.scalar_type(), "decode_scores",
-                                 [&] {
-                                   scores_kernel<scalar_t>(query, key_cache, block_table,
-                                                           seq_lens, rows, tokens, scale, scores);
-                                 });
+  check_inputs(query, key_cache, block_table, seq_lens, requests, query_rows, scores.size(2));
+  TIDAL_DISPATCH(query.scalar_type(), "decode_scores", [&] {
+    scores_kernel<scalar_t>(query, key_cache, block_table, seq_lens, requests, query_rows, scale,
+                            scores);
+  });
 }
 
-// out[tokens[i]] = sum over positions of probs[i] * value (written in place, in out's dtype).
+// out[query_rows[i]] = sum over positions of probs[i] * value (in place, in out's dtype).
 void decode_weighted_values(torch::Tensor out, torch::Tensor probs, torch::Tensor value_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
-                            torch::Tensor tokens) {
-  check_inputs(out, value_cache, block_table, seq_lens, rows, tokens);
-  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 && probs.is_contiguous() &&
-                  probs.size(0) == rows.numel() && probs.size(1) == out.size(1),
+                            torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor requests, torch::Tensor query_rows) {
+  TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == torch::kFloat32 &&
+                  probs.is_contiguous() && probs.size(0) == requests.numel() &&
+                  probs.size(1) == out.size(1),
               "probs must be contiguous float32 [n, heads, max_len]");
-  TORCH_CHECK(out.scalar_type() == value_cache.scalar_type(), "out and cache dtypes differ");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out.scalar_type(),
-                                 "decode_weighted_values", [&] {
-                                   weighted_values_kernel<scalar_t>(probs, value_cache,
-                                                                    block_table, seq_lens, rows,
-                                                                    tokens, out);
-                                 });
+  check_inputs(out, value_cache, block_table, seq_lens, requests, query_rows, probs.size(2));
+  TIDAL_DISPATCH(out.scalar_type(), "decode_weighted_values", [&] {
+    weighted_values_kernel<scalar_t>(probs, value_cache, block_table, seq_lens, requests,
+                                     query_rows, out);
+  });
 }
 
 // Sets flush-to-zero and denormals-are-zero on every thread of the calling thread's torch
@@ -338,7 +354,21 @@ bool flush_denormals_in_pool() {
 #endif
 }
 
+// Sets or clears flush-to-zero and denormals-are-zero on the calling thread only; returns
+// whether they were set before.
+bool set_thread_flush(bool on) {
+#ifdef TIDAL_HAS_MXCSR
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(on ? (csr | 0x8040u) : (csr & ~0x8040u));
+  return (csr & 0x8040u) == 0x8040u;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_thread_flush", &set_thread_flush,
+        "set or clear denormal flushing on this thread; returns the previous setting");
   m.def("flush_denormals_in_pool", &flush_denormals_in_pool,
         "flush denormals to zero on torch's worker threads");
   m.def("write_kv", &write_kv, "store key/value rows at their cache slots");

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels (``cpu_kernels.cpp``): paged decode attention and thread settings.
+"""Compiled CPU kernels (``cpu_kernels.cpp``): paged decode attention, the KV-cache write, RMSNorm,
+rotary embeddings, and the flush of denormal floats on torch's worker threads.
 
 The source is compiled on first use with torch's extension builder (a C++ compiler and ninja
 are needed) for this machine's instruction set, and cached under ``TORCH_EXTENSIONS_DIR``; the
@@ -25,39 +26,46 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels
+DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _pool_flushed = threading.local()
 
 
 @contextlib.contextmanager
 def denormals_flushed() -> Iterator[None]:
-    """Flush denormal floats to zero while the block runs on this thread; on its torch worker
-    threads, for good (they run nothing but torch work).
+    """Flush denormal floats to zero while the block runs on this thread, and on its torch
+    worker threads for good (they run nothing but torch work).
 
     Softmax leaves many attention weights below float32's normal range (exp of a score far
     under the row's maximum), and every multiply that touches one takes x86's slow microcode
     path: with real scores, decode attention ran twice slower and its softmax four times.
-    A denormal weight changes no output that float32 can represent, so flushing is exact for
-    inference. The calling thread is restored on exit (to the default, unflushed), as Python's
-    own float maths runs on it. The workers are reached through the kernels; without them only
-    the calling thread is flushed.
+    What flushing drops is below 1.2e-38, beneath float32's resolution of any output here.
+    The calling thread gets its previous setting back on exit, as Python's own float maths
+    runs on it. The workers are reached through the kernels; without them only the calling
+    thread is flushed (and left unflushed on exit, the default).
     """
-    torch.set_flush_denormal(True)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            torch.set_flush_denormal(False)
+        return
+    previous = kernels.set_thread_flush(True)
     try:
         if not getattr(_pool_flushed, "done", False):
-            kernels = load_cpu_kernels()
-            if kernels is not None:
-                kernels.flush_denormals_in_pool()
+            kernels.flush_denormals_in_pool()
             _pool_flushed.done = True
         yield
     finally:
-        torch.set_flush_denormal(False)
+        kernels.set_thread_flush(previous)
 
 
 def cpu_kernels_for(x: torch.Tensor) -> ModuleType | None:
     """The kernels where ``x`` is a CPU tensor of a dtype they handle and they are built."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
         return None
     return load_cpu_kernels()
 

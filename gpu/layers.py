@@ -49,10 +49,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``/``k`` are ``[tokens, heads, head_dim]``; the compiled kernel rotates them in
-        place, the torch form returns new tensors."""
+        """``q``/``k`` are ``[tokens, heads, head_dim]``. The compiled kernel rotates them in
+        place (outside autograd: this is inference code) and returns them; the torch form
+        returns new tensors."""
         kernels = cpu_kernels_for(q)
-        if kernels is not None:
+        if kernels is not None and positions.dtype == torch.int64:
             kernels.rotary_embedding(q, k, self.cos, self.sin, positions)
             return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]

@@ -22,7 +22,9 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a oneDNN-packed copy of ``W``; the plain weight is dropped."""
+    """``y = x W^T + b`` over a oneDNN-packed copy of ``W``. The plain weight is dropped with
+    the ``nn.Linear`` (a tied output head's stays, as the input embedding). The packed bytes
+    are opaque: convert the model's dtype before packing, never after."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -42,8 +44,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    return (torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available())
+    """oneDNN on a CPU; bfloat16 only where oneDNN has a bfloat16 path (AVX-512 or AVX-NE)."""
+    if (torch.device(device).type != "cpu" or dtype not in PACKABLE_DTYPES
+            or not torch.backends.mkldnn.is_available()):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_layers(model: nn.Module) -> int:

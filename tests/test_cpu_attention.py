@@ -56,7 +56,8 @@ def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, grou
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
+                                        (torch.float16, 5e-3)])
 def test_mixed_prefill_and_decode_match(backend, dtype, atol):
     """Decode rows beside prefill chunks, some of them over cached context."""
     context = [0, 40, 17, 0, 130, 5]
@@ -66,16 +67,30 @@ def test_mixed_prefill_and_decode_match(backend, dtype, atol):
 
 
 
-def test_decode_kernels_reject_mismatched_inputs():
+def test_decode_kernels_reject_bad_inputs_instead_of_reading_past_them():
     kernels = load_cpu_kernels()
-    meta = paged_layout([5, 9], [1, 1], 16, seed=0)
+    meta = paged_layout([5, 20], [1, 1], 16, seed=0)  # lengths 6 and 21: 1 and 2 blocks
     key_cache, _ = random_caches(meta, 16, KV_HEADS, 64)
-    query = torch.randn(2, 4, 32)  # head_dim 32 against the cache's 64
-    scores = torch.full((2, 4, 10), float("-inf"))
-    rows = torch.tensor([0, 1])
+    query = torch.randn(2, 4, 64)
+    requests = torch.tensor([0, 1])
+
+    def scores(query=query, width=21, requests=requests, table=meta.block_table):
+        out = torch.full((2, 4, width), float("-inf"))
+        kernels.decode_scores(out, query, key_cache, table, meta.seq_lens, requests,
+                              torch.tensor([0, 1]), 1.0)
+        return out
+
+    assert torch.isfinite(scores()[1]).all()  # the valid call, for contrast
     with pytest.raises(RuntimeError, match="head_dim"):
-        kernels.decode_scores(scores, query, key_cache, meta.block_table, meta.seq_lens, rows,
-                              rows, 1.0)
+        scores(query=torch.randn(2, 4, 32))
+    with pytest.raises(RuntimeError, match="request 7 out of range"):
+        scores(requests=torch.tensor([0, 7]))
+    with pytest.raises(RuntimeError, match="exceeds the scores"):
+        scores(width=10)
+    bad_table = meta.block_table.clone()
+    bad_table[1, 1] = 10**6
+    with pytest.raises(RuntimeError, match="block 1000000 out of range"):
+        scores(table=bad_table)
 
 
 def test_backend_names_are_checked():

@@ -23,7 +23,11 @@ with denormals_flushed():
     inside = int(((tiny * scale) == 0).sum())
     normal_kept = bool((torch.full((8,), 1e-20) * 1e-10 != 0).all())
 after = 1e-300 * 1e-10 != 0.0  # Python's own floats on this thread, unflushed again
-print(before, inside, normal_kept, after)
+torch.set_flush_denormal(True)  # a caller's own choice survives the block
+with denormals_flushed():
+    pass
+kept_flushed = 1e-300 * 1e-10 == 0.0
+print(before, inside, normal_kept, after, kept_flushed)
 """
 
 
@@ -34,6 +38,7 @@ def test_denormals_flushed_on_every_worker_and_restored_on_the_caller():
     assert int(out[1]) == 1 << 20  # a multiply split across the pool: every share flushed
     assert out[2] == "True"  # 1e-30 is a normal float: untouched
     assert out[3] == "True"  # the calling thread keeps IEEE denormals outside the block
+    assert out[4] == "True"  # and a caller that flushed before stays flushed
 
 
 @pytest.fixture

@@ -71,3 +71,10 @@ def test_cpu_model_runs_on_packed_linear_layers(model_dir):
     model = LLM(str(model_dir)).engine.runner.model
     assert isinstance(model.lm_head, PackedLinear)
     assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in model.layers)
+
+
+def test_float16_runs_on_the_cpu_like_float32(model_dir):
+    """float16 takes the kernels (unpacked linears: oneDNN packing is float32/bfloat16 only)."""
+    half = LLM(str(model_dir), dtype="float16").generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in half)
+    assert [o.outputs[0].token_ids[:2] for o in half] == [t[:2] for t in _greedy(model_dir)]

@@ -9,7 +9,8 @@ from gpu.cpu_kernels import load_cpu_kernels
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
     """``cpu`` (the CPU default, C++ decode kernels; ``torch`` where they can't be built),
-    ``torch`` (plain torch everywhere) or ``triton`` (the GPU default)."""
+    ``torch`` (attention in plain torch) or ``triton`` (the GPU default). The other CPU
+    kernels (RMSNorm, rotary) follow ``TIDAL_NO_CPU_KERNELS`` alone."""
     if name == "auto":
         name = "triton" if device.startswith("cuda") else "cpu"
     if name == "cpu":

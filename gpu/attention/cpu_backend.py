@@ -14,6 +14,7 @@ import torch
 
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
+from gpu.cpu_kernels import KERNEL_DTYPES
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -24,21 +25,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if key.dtype != key_cache.dtype:
+        if not _kernel_dtypes(key, value, key_cache, value_cache):
             return super().write_kv(key, value, key_cache, value_cache, slot_mapping)
         self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, rows: list[int],
-                out: torch.Tensor) -> None:
-        """All decode rows in one pass whatever their lengths: softmax(q.k * scale) @ v."""
+    def _decode_group(self, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      requests: list[int], out: torch.Tensor) -> None:
+        """softmax(q.k * scale) @ v for a group of decode requests of similar lengths (the
+        base class groups them, so one long context does not widen every row's scores)."""
+        if not _kernel_dtypes(query, key_cache, value_cache, out):
+            return super()._decode_group(query, key_cache, value_cache, meta, scale, requests,
+                                         out)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        tokens = torch.tensor([qsl[i] for i in rows])
-        row_index = torch.tensor(rows)
-        max_len = max(lens[i] for i in rows)
-        scores = torch.full((len(rows), query.shape[1], max_len), float("-inf"))
+        query_rows = torch.tensor([qsl[i] for i in requests])
+        request_index = torch.tensor(requests)
+        max_len = max(lens[i] for i in requests)
+        scores = torch.full((len(requests), query.shape[1], max_len), float("-inf"))
         self.kernels.decode_scores(scores, query, key_cache, meta.block_table, meta.seq_lens,
-                                   row_index, tokens, scale)
+                                   request_index, query_rows, scale)
         probs = torch.softmax(scores, dim=-1)
         self.kernels.decode_weighted_values(out, probs, value_cache, meta.block_table,
-                                            meta.seq_lens, row_index, tokens)
+                                            meta.seq_lens, request_index, query_rows)
+
+
+def _kernel_dtypes(*tensors: torch.Tensor) -> bool:
+    """The kernels take float32, bfloat16 and float16, one dtype throughout."""
+    dtype = tensors[0].dtype
+    return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)

@@ -43,8 +43,7 @@ class TorchAttentionBackend:
                                               lens[i] - (end - start))
         return out
 
-    @staticmethod
-    def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, rows: list[int],
                 out: torch.Tensor) -> None:
         """One batched call per group of rows whose contexts span the same power-of-two
@@ -57,8 +56,7 @@ class TorchAttentionBackend:
             blocks = -(-meta.seq_lens_cpu[i] // block_size)
             groups.setdefault((blocks - 1).bit_length(), []).append(i)
         for group in groups.values():
-            TorchAttentionBackend._decode_group(query, key_cache, value_cache, meta, scale,
-                                                group, out)
+            self._decode_group(query, key_cache, value_cache, meta, scale, group, out)
 
     @staticmethod
     def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
