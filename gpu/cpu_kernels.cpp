@@ -95,82 +95,90 @@ void check_inputs(const torch::Tensor& query, const torch::Tensor& cache,
   }
 }
 
+// What both decode kernels read about their rows: the i-th attends as request req_of[i] over
+// lens[req_of[i]] positions, with its query (or output) at row qrow[i]; scores and probs rows
+// are [heads, width] per i.
+struct DecodeRows {
+  int64_t n, heads, dim, group, width;
+  const int32_t* lens;
+  const int64_t* req_of;
+  const int64_t* qrow;
+  Paged cache;
+};
+
+DecodeRows decode_rows(const torch::Tensor& rows_tensor, const torch::Tensor& cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                       const torch::Tensor& requests, const torch::Tensor& query_rows,
+                       const torch::Tensor& weights) {
+  const int64_t heads = rows_tensor.size(1);
+  return DecodeRows{requests.numel(), heads, rows_tensor.size(2), heads / cache.size(2),
+                    weights.size(2), seq_lens.data_ptr<int32_t>(),
+                    requests.data_ptr<int64_t>(), query_rows.data_ptr<int64_t>(),
+                    paged_view(cache, block_table)};
+}
+
+// scores[i, head, p] = scale * q.k over each position p of the row's context.
 template <typename scalar_t>
-void scores_kernel(const torch::Tensor& query, const torch::Tensor& key_cache,
-                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                   const torch::Tensor& requests, const torch::Tensor& query_rows,
-                   double scale, torch::Tensor& scores) {
-  const int64_t n = requests.numel(), heads = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = key_cache.size(2), group = heads / kv_heads;
-  const int64_t max_len = scores.size(2);
+void scores_kernel(const DecodeRows& rows, const torch::Tensor& query,
+                   const torch::Tensor& key_cache, double scale, torch::Tensor& scores) {
+  const int64_t heads = rows.heads, dim = rows.dim, width = rows.width;
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* k = key_cache.data_ptr<scalar_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* req_of = requests.data_ptr<int64_t>();
-  const int64_t* qrow = query_rows.data_ptr<int64_t>();
   float* out = scores.data_ptr<float>();
-  const Paged cache = paged_view(key_cache, block_table);
   const float s = static_cast<float>(scale);
   const int64_t q_stride = query.stride(0);
 
   // One request per task, all its heads at once: each cached token's keys for every head
   // are one contiguous row, so a block is read front to back.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * dim);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = req_of[i], len = lens[r];
-      const scalar_t* qr = q + qrow[i] * q_stride;
+      const int64_t r = rows.req_of[i], len = rows.lens[r];
+      const scalar_t* qr = q + rows.qrow[i] * q_stride;
       for (int64_t j = 0; j < heads * dim; ++j) qf[j] = static_cast<float>(qr[j]) * s;
-      float* sc = out + i * heads * max_len;
+      float* sc = out + i * heads * width;
       for (int64_t p = 0; p < len; ++p) {
-        const scalar_t* kp = k + cache.offset(r, p, 0, dim);
+        const scalar_t* kp = k + rows.cache.offset(r, p, 0, dim);
         for (int64_t head = 0; head < heads; ++head) {
           const float* qh = qf.data() + head * dim;
-          const scalar_t* kh = kp + (head / group) * dim;
+          const scalar_t* kh = kp + (head / rows.group) * dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-          sc[head * max_len + p] = dot;
+          sc[head * width + p] = dot;
         }
       }
     }
   });
 }
 
+// out[qrow[i], head] = sum over positions p of probs[i, head, p] * v[p].
 template <typename scalar_t>
-void weighted_values_kernel(const torch::Tensor& probs, const torch::Tensor& value_cache,
-                            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                            const torch::Tensor& requests, const torch::Tensor& query_rows,
-                            torch::Tensor& out) {
-  const int64_t n = requests.numel(), heads = out.size(1), dim = out.size(2);
-  const int64_t kv_heads = value_cache.size(2), group = heads / kv_heads;
-  const int64_t max_len = probs.size(2);
+void weighted_values_kernel(const DecodeRows& rows, const torch::Tensor& probs,
+                            const torch::Tensor& value_cache, torch::Tensor& out) {
+  const int64_t heads = rows.heads, dim = rows.dim, width = rows.width;
   const float* pr = probs.data_ptr<float>();
   const scalar_t* v = value_cache.data_ptr<scalar_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* req_of = requests.data_ptr<int64_t>();
-  const int64_t* qrow = query_rows.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const Paged cache = paged_view(value_cache, block_table);
   const int64_t o_stride = out.stride(0);
 
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads * dim);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = req_of[i], len = lens[r];
-      const float* w = pr + i * heads * max_len;
+      const int64_t r = rows.req_of[i], len = rows.lens[r];
+      const float* w = pr + i * heads * width;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < len; ++p) {
-        const scalar_t* vp = v + cache.offset(r, p, 0, dim);
+        const scalar_t* vp = v + rows.cache.offset(r, p, 0, dim);
         for (int64_t head = 0; head < heads; ++head) {
           float* ah = acc.data() + head * dim;
-          const scalar_t* vh = vp + (head / group) * dim;
-          const float wh = w[head * max_len + p];
+          const scalar_t* vh = vp + (head / rows.group) * dim;
+          const float wh = w[head * width + p];
 #pragma omp simd
           for (int64_t d = 0; d < dim; ++d) ah[d] += wh * static_cast<float>(vh[d]);
         }
       }
-      scalar_t* o_row = o + qrow[i] * o_stride;
+      scalar_t* o_row = o + rows.qrow[i] * o_stride;
       for (int64_t j = 0; j < heads * dim; ++j) o_row[j] = static_cast<scalar_t>(acc[j]);
     }
   });
@@ -319,8 +327,9 @@ void decode_scores(torch::Tensor scores, torch::Tensor query, torch::Tensor key_
               "scores must be contiguous float32 [n, heads, max_len]");
   check_inputs(query, key_cache, block_table, seq_lens, requests, query_rows, scores.size(2));
   TIDAL_DISPATCH(query.scalar_type(), "decode_scores", [&] {
-    scores_kernel<scalar_t>(query, key_cache, block_table, seq_lens, requests, query_rows, scale,
-                            scores);
+    scores_kernel<scalar_t>(
+        decode_rows(query, key_cache, block_table, seq_lens, requests, query_rows, scores),
+        query, key_cache, scale, scores);
   });
 }
 
@@ -334,8 +343,9 @@ void decode_weighted_values(torch::Tensor out, torch::Tensor probs, torch::Tenso
               "probs must be contiguous float32 [n, heads, max_len]");
   check_inputs(out, value_cache, block_table, seq_lens, requests, query_rows, probs.size(2));
   TIDAL_DISPATCH(out.scalar_type(), "decode_weighted_values", [&] {
-    weighted_values_kernel<scalar_t>(probs, value_cache, block_table, seq_lens, requests,
-                                     query_rows, out);
+    weighted_values_kernel<scalar_t>(
+        decode_rows(out, value_cache, block_table, seq_lens, requests, query_rows, probs), probs,
+        value_cache, out);
   });
 }
 
