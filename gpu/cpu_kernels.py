@@ -39,7 +39,7 @@ def denormals_flushed() -> Iterator[None]:
 
     Softmax leaves many attention weights below float32's normal range (exp of a score far
     under the row's maximum), and every multiply that touches one takes x86's slow microcode
-    path: with real scores, decode attention ran twice slower and its softmax four times.
+    path: with real scores, decode attention ran twice slower and its softmax three times.
     What flushing drops is below 1.2e-38, beneath float32's resolution of any output here.
     The calling thread gets its previous setting back on exit, as Python's own float maths
     runs on it. The workers are reached through the kernels; without them only the calling
