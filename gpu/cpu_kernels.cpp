@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_linear.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
 #define TIDAL_HAS_MXCSR 1
@@ -386,4 +388,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");
   m.def("decode_weighted_values", &decode_weighted_values, "probs @ V over the paged cache");
+  m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
+  m.def("packed_linear", &packed_linear, "y = x W^T + b over packed panels (float32)");
 }

@@ -1,5 +1,6 @@
 """Compiled CPU kernels (``cpu_kernels.cpp``): paged decode attention, the KV-cache write, RMSNorm,
-rotary embeddings, and the flush of denormal floats on torch's worker threads.
+rotary embeddings, the flush of denormal floats on torch's worker threads, and the float32 GEMM
+of the linear layers (``cpu_linear.cpp``).
 
 The source is compiled on first use with torch's extension builder (a C++ compiler and ninja
 are needed) for this machine's instruction set, and cached under ``TORCH_EXTENSIONS_DIR``; the
@@ -25,7 +26,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_linear.h")]
 DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -81,7 +83,7 @@ def load_cpu_kernels() -> ModuleType | None:
     name = f"tidal_cpu_kernels_{_build_key()}"
     logger.info("loading the C++ CPU kernels (built once per machine)")
     try:
-        return load(name=name, sources=[str(SOURCE)],
+        return load(name=name, sources=[str(path) for path in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
@@ -101,7 +103,9 @@ def _put_interpreter_bin_on_path() -> None:
 def _build_key() -> str:
     """Source and CPU features: a build made with ``-march=native`` on another machine (a
     shared home directory) must not be loaded here."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:12]
 

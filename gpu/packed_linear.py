@@ -1,12 +1,19 @@
-"""Linear layers whose weights are packed once for oneDNN, for inference on the CPU.
+"""Linear layers whose weights are packed once at load time, for inference on the CPU.
 
 ``F.linear`` on the CPU hands every call to MKL's sgemm, which re-packs the weight into its
-blocked layout each time. For the few rows of a decode step that packing costs about as much
-as the multiply. Packing once at load time and calling oneDNN's linear directly gave, on a
-2-core AVX-512 host over a 30M Llama's projections (float32, GFLOP/s, packed against plain):
-223 vs 117 at 16 rows, 278 vs 177 at 32, 328 vs 258 at 64, 371 vs 326 at 512, and parity at
-2,048. The results are ordinary IEEE float32 (no reduced-precision maths): they differ from
-``F.linear`` only in summation order.
+blocked layout each time; for the few rows of a decode step that costs about as much as the
+multiply. So every weight is packed once:
+
+- float32, where the C++ kernels are built: into the column panels of tidal's own GEMM
+  (``cpu_linear.cpp``), which overlaps each weight's trip from memory with the arithmetic. Over
+  a 30M Llama's 33 weights on a 2-core AVX-512 host, one pass took (ms, oneDNN packed against
+  ours): 4.6 vs 2.8 at 1 row, 5.4 vs 3.3 at 8, 10.5 vs 7.0 at 32, 15.5 vs 11.8 at 64, and
+  about even from 128 rows up.
+- otherwise (bfloat16, or no kernels): for oneDNN, which against plain ``F.linear`` gave
+  (GFLOP/s) 223 vs 117 at 16 rows, 278 vs 177 at 32, 328 vs 258 at 64 and parity at 2,048.
+
+Both give ordinary IEEE results (no reduced-precision maths): they differ from ``F.linear``
+only in summation order.
 """
 
 from __future__ import annotations
@@ -16,35 +23,46 @@ import logging
 import torch
 from torch import nn
 
+from gpu.cpu_kernels import load_cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a oneDNN-packed copy of ``W``. The plain weight is dropped with
-    the ``nn.Linear`` (a tied output head's stays, as the input embedding). The packed bytes
-    are opaque: convert the model's dtype before packing, never after."""
+    """``y = x W^T + b`` over a packed copy of ``W``. The plain weight is dropped with the
+    ``nn.Linear`` (a tied output head's stays, as the input embedding). The packed bytes are
+    opaque: convert the model's dtype before packing, never after."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight),
-                             persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach()
+        kernels = load_cpu_kernels() if weight.dtype == torch.float32 else None
+        self.own_gemm = kernels is not None
+        packed = (kernels.pack_linear_weight(weight) if kernels is not None
+                  else torch.ops.mkldnn._reorder_linear_weight(weight))
+        self.register_buffer("packed_weight", packed, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                  [None], "")
+        if not self.own_gemm:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                      [None], "")
+        rows = x.reshape(-1, self.in_features)
+        y = load_cpu_kernels().packed_linear(rows, self.packed_weight, self.out_features,
+                                             self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        layout = "panels" if self.own_gemm else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN on a CPU; bfloat16 only where oneDNN has a bfloat16 path (AVX-512 or AVX-NE)."""
+    """A CPU with oneDNN; bfloat16 only where oneDNN has a bfloat16 path (AVX-512 or AVX-NE)."""
     if (torch.device(device).type != "cpu" or dtype not in PACKABLE_DTYPES
             or not torch.backends.mkldnn.is_available()):
         return False
@@ -57,5 +75,5 @@ def pack_linear_layers(model: nn.Module) -> int:
              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
-    logger.debug("packed %d linear layers for oneDNN", len(swaps))
+    logger.debug("packed %d linear layers", len(swaps))
     return len(swaps)

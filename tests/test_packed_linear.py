@@ -1,4 +1,5 @@
-"""oneDNN-packed linear layers: same results as ``nn.Linear``, swapped in on the CPU."""
+"""Packed linear layers (tidal's float32 panel GEMM, oneDNN for bfloat16): same results as
+``nn.Linear``, swapped in on the CPU."""
 
 from __future__ import annotations
 
@@ -6,23 +7,49 @@ import pytest
 import torch
 from torch import nn
 
+from gpu.cpu_kernels import load_cpu_kernels
 from gpu.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32),
                                 reason="torch built without oneDNN")
 
 
+# rows: one, a partial row block, whole blocks, and past a 128-row chunk with a remainder;
+# out_features: a partial last panel (200 = 6 x 32 + 8), and fewer than one panel.
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("out_features", [200, 5])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear_in_float32(rows: int, bias: bool) -> None:
+def test_packed_linear_matches_linear_in_float32(rows: int, out_features: int,
+                                                 bias: bool) -> None:
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 200, bias=bias)
+    linear = nn.Linear(96, out_features, bias=bias)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         expected = linear(x)
-        got = PackedLinear(linear)(x)
+        packed = PackedLinear(linear)
+        got = packed(x)
+    assert packed.own_gemm == (load_cpu_kernels() is not None)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_gemm_reads_strided_rows_and_checks_its_inputs() -> None:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24)
+    panels = kernels.pack_linear_weight(weight)
+    wide = torch.randn(9, 50)
+    x = wide[:, 3:27]  # rows 50 floats apart
+    torch.testing.assert_close(kernels.packed_linear(x, panels, 40, None), x @ weight.t(),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.packed_linear(torch.randn(3, 23), panels, 40, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.packed_linear(torch.randn(3, 24), panels, 80, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.packed_linear(torch.randn(3, 24, dtype=torch.float64), panels, 40, None)
 
 
 def test_packed_linear_keeps_leading_dims_and_bfloat16() -> None:
