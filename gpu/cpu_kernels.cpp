@@ -1,25 +1,15 @@
-// CPU kernels: decode attention that reads the paged KV cache in place, the cache write,
-// RMSNorm and rotary embeddings fused into one pass each (torch runs them as 6 and 14 small
-// ops, whose fixed costs dominate at decode batch sizes), and a switch that flushes denormal
-// floats to zero on torch's worker threads.
+// CPU kernels: the cache write, RMSNorm and rotary embeddings fused into one pass each (torch
+// runs them as 6 and 14 small ops, whose fixed costs dominate at decode batch sizes), and a
+// switch that flushes denormal floats to zero on torch's worker threads. This file also binds
+// the module, with decode attention (cpu_attention.cpp) and the float32 GEMM (cpu_linear.cpp).
 //
-// The torch path gathers every decode row's context into a contiguous copy before attending,
-// which moves each layer's whole KV context through memory three times a step. These two
-// kernels read each key and value once, straight from its block: `decode_scores` computes the
-// scaled q.k of every context position, torch's softmax normalises them, and
-// `decode_weighted_values` sums the values under those weights. Work is split over
-// requests with at::parallel_for, on torch's own thread pool.
-//
-// Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
-// [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
-// seq_lens [requests] int32; requests and query_rows [n] int64: the i-th attended row is
-// request requests[i], whose query is query[query_rows[i]]; scores/probs [n, heads, max_len]
-// float32. Every index is checked before any is used.
+// Kernels are split over tokens with at::parallel_for, on torch's own thread pool. Every index
+// is checked before any is used.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "cpu_linear.h"
+#include "cpu_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -37,154 +27,6 @@
                                   __VA_ARGS__)
 
 namespace {
-
-struct Paged {
-  int64_t block_size, block_stride, token_stride;
-  const int32_t* block_table;
-  int64_t table_stride;
-
-  // Offset of (position p, kv head h) of request r in the cache, in elements.
-  inline int64_t offset(int64_t r, int64_t p, int64_t h, int64_t head_dim) const {
-    const int64_t block = block_table[r * table_stride + p / block_size];
-    return block * block_stride + (p % block_size) * token_stride + h * head_dim;
-  }
-};
-
-Paged paged_view(const torch::Tensor& cache, const torch::Tensor& block_table) {
-  return Paged{cache.size(1), cache.stride(0), cache.stride(1),
-               block_table.data_ptr<int32_t>(), block_table.stride(0)};
-}
-
-void check_inputs(const torch::Tensor& query, const torch::Tensor& cache,
-                  const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                  const torch::Tensor& requests, const torch::Tensor& query_rows,
-                  int64_t max_len) {
-  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu() &&
-                  block_table.device().is_cpu() && seq_lens.device().is_cpu(),
-              "CPU tensors expected");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query/out must be [tokens, heads, head_dim] with contiguous rows");
-  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-D");
-  TORCH_CHECK(query.scalar_type() == cache.scalar_type(), "query/out and cache dtypes differ");
-  TORCH_CHECK(query.size(2) == cache.size(3), "head_dim differs between query and cache");
-  TORCH_CHECK(query.size(1) % cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
-                  block_table.stride(1) == 1,
-              "block_table must be 2-D int32 with contiguous rows");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int32");
-  TORCH_CHECK(requests.scalar_type() == torch::kInt64 &&
-                  query_rows.scalar_type() == torch::kInt64 && requests.is_contiguous() &&
-                  query_rows.is_contiguous() && requests.numel() == query_rows.numel(),
-              "requests and query_rows must be contiguous int64 of one length");
-  const int64_t* req = requests.data_ptr<int64_t>();
-  const int64_t* qrow = query_rows.data_ptr<int64_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t num_requests = std::min(seq_lens.numel(), block_table.size(0));
-  const int64_t block_size = cache.size(1), num_blocks = cache.size(0);
-  for (int64_t i = 0; i < requests.numel(); ++i) {
-    const int64_t r = req[i];
-    TORCH_CHECK(r >= 0 && r < num_requests, "request ", r, " out of range");
-    TORCH_CHECK(qrow[i] >= 0 && qrow[i] < query.size(0), "query row ", qrow[i], " out of range");
-    const int64_t len = lens[r];
-    TORCH_CHECK(len >= 1 && len <= max_len && len <= block_table.size(1) * block_size,
-                "seq_len ", len, " of request ", r, " exceeds the scores or the block table");
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
-      const int32_t block = table[r * block_table.stride(0) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " out of range");
-    }
-  }
-}
-
-// What both decode kernels read about their rows: the i-th attends as request req_of[i] over
-// lens[req_of[i]] positions, with its query (or output) at row qrow[i]; scores and probs rows
-// are [heads, width] per i.
-struct DecodeRows {
-  int64_t n, heads, dim, group, width;
-  const int32_t* lens;
-  const int64_t* req_of;
-  const int64_t* qrow;
-  Paged cache;
-};
-
-DecodeRows decode_rows(const torch::Tensor& rows_tensor, const torch::Tensor& cache,
-                       const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                       const torch::Tensor& requests, const torch::Tensor& query_rows,
-                       const torch::Tensor& weights) {
-  const int64_t heads = rows_tensor.size(1);
-  return DecodeRows{requests.numel(), heads, rows_tensor.size(2), heads / cache.size(2),
-                    weights.size(2), seq_lens.data_ptr<int32_t>(),
-                    requests.data_ptr<int64_t>(), query_rows.data_ptr<int64_t>(),
-                    paged_view(cache, block_table)};
-}
-
-// scores[i, head, p] = scale * q.k over each position p of the row's context.
-template <typename scalar_t>
-void scores_kernel(const DecodeRows& rows, const torch::Tensor& query,
-                   const torch::Tensor& key_cache, double scale, torch::Tensor& scores) {
-  const int64_t heads = rows.heads, dim = rows.dim, width = rows.width;
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k = key_cache.data_ptr<scalar_t>();
-  float* out = scores.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-  const int64_t q_stride = query.stride(0);
-
-  // One request per task, all its heads at once: each cached token's keys for every head
-  // are one contiguous row, so a block is read front to back.
-  at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = rows.req_of[i], len = rows.lens[r];
-      const scalar_t* qr = q + rows.qrow[i] * q_stride;
-      for (int64_t j = 0; j < heads * dim; ++j) qf[j] = static_cast<float>(qr[j]) * s;
-      float* sc = out + i * heads * width;
-      for (int64_t p = 0; p < len; ++p) {
-        const scalar_t* kp = k + rows.cache.offset(r, p, 0, dim);
-        for (int64_t head = 0; head < heads; ++head) {
-          const float* qh = qf.data() + head * dim;
-          const scalar_t* kh = kp + (head / rows.group) * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-          sc[head * width + p] = dot;
-        }
-      }
-    }
-  });
-}
-
-// out[qrow[i], head] = sum over positions p of probs[i, head, p] * v[p].
-template <typename scalar_t>
-void weighted_values_kernel(const DecodeRows& rows, const torch::Tensor& probs,
-                            const torch::Tensor& value_cache, torch::Tensor& out) {
-  const int64_t heads = rows.heads, dim = rows.dim, width = rows.width;
-  const float* pr = probs.data_ptr<float>();
-  const scalar_t* v = value_cache.data_ptr<scalar_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t o_stride = out.stride(0);
-
-  at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(heads * dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = rows.req_of[i], len = rows.lens[r];
-      const float* w = pr + i * heads * width;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < len; ++p) {
-        const scalar_t* vp = v + rows.cache.offset(r, p, 0, dim);
-        for (int64_t head = 0; head < heads; ++head) {
-          float* ah = acc.data() + head * dim;
-          const scalar_t* vh = vp + (head / rows.group) * dim;
-          const float wh = w[head * width + p];
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ah[d] += wh * static_cast<float>(vh[d]);
-        }
-      }
-      scalar_t* o_row = o + rows.qrow[i] * o_stride;
-      for (int64_t j = 0; j < heads * dim; ++j) o_row[j] = static_cast<scalar_t>(acc[j]);
-    }
-  });
-}
 
 template <typename scalar_t>
 void rms_norm_kernel(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
@@ -318,39 +160,6 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
   });
 }
 
-// Scaled q.k scores [n, heads, max_len] (float32); positions past a row's length are left
-// untouched, so callers pass a tensor filled with -inf.
-void decode_scores(torch::Tensor scores, torch::Tensor query, torch::Tensor key_cache,
-                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor requests,
-                   torch::Tensor query_rows, double scale) {
-  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == torch::kFloat32 &&
-                  scores.is_contiguous() && scores.size(0) == requests.numel() &&
-                  scores.size(1) == query.size(1),
-              "scores must be contiguous float32 [n, heads, max_len]");
-  check_inputs(query, key_cache, block_table, seq_lens, requests, query_rows, scores.size(2));
-  TIDAL_DISPATCH(query.scalar_type(), "decode_scores", [&] {
-    scores_kernel<scalar_t>(
-        decode_rows(query, key_cache, block_table, seq_lens, requests, query_rows, scores),
-        query, key_cache, scale, scores);
-  });
-}
-
-// out[query_rows[i]] = sum over positions of probs[i] * value (in place, in out's dtype).
-void decode_weighted_values(torch::Tensor out, torch::Tensor probs, torch::Tensor value_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens,
-                            torch::Tensor requests, torch::Tensor query_rows) {
-  TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == torch::kFloat32 &&
-                  probs.is_contiguous() && probs.size(0) == requests.numel() &&
-                  probs.size(1) == out.size(1),
-              "probs must be contiguous float32 [n, heads, max_len]");
-  check_inputs(out, value_cache, block_table, seq_lens, requests, query_rows, probs.size(2));
-  TIDAL_DISPATCH(out.scalar_type(), "decode_weighted_values", [&] {
-    weighted_values_kernel<scalar_t>(
-        decode_rows(out, value_cache, block_table, seq_lens, requests, query_rows, probs), probs,
-        value_cache, out);
-  });
-}
-
 // Sets flush-to-zero and denormals-are-zero on every thread of the calling thread's torch
 // pool (each worker keeps its own floating-point control register). Returns false where the
 // CPU has no such switch.
@@ -386,8 +195,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store key/value rows at their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm, normalised in float32 (HF's order of rounding)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
-  m.def("decode_scores", &decode_scores, "scaled q.k over the paged cache");
-  m.def("decode_weighted_values", &decode_weighted_values, "probs @ V over the paged cache");
+  m.def("decode_attention_supports", &decode_attention_supports,
+        "whether decode_attention takes this head_dim");
+  m.def("decode_attention", &decode_attention,
+        "softmax(q.K) V of decode rows over the paged cache, in one pass");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
   m.def("packed_linear", &packed_linear, "y = x W^T + b over packed panels (float32)");
 }

@@ -17,7 +17,8 @@
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
-#include "cpu_linear.h"
+#include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -30,11 +31,9 @@ constexpr int64_t kPanel = 32;     // columns per panel: two vectors of 16 float
 constexpr int64_t kRowBlock = 8;   // rows of y the microkernel holds in registers
 constexpr int64_t kRowChunk = 128; // rows of x kept in cache while every panel passes
 
-// 16 floats; GCC lowers it to one AVX-512 register, or to two AVX2 / four SSE ones.
-typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
-
-inline vec16 load(const float* p) { return *reinterpret_cast<const vec16*>(p); }
-inline void store(float* p, vec16 v) { *reinterpret_cast<vec16*>(p) = v; }
+using tidal::load;
+using tidal::store;
+using tidal::vec16;
 
 // What a microkernel call prefetches: the next panel's bytes from `next` on, two 64-byte lines
 // every `every` values of k.

@@ -48,7 +48,9 @@ def _run(backend: AttentionBackend, context: list[int], query_lens: list[int],
     return got, ref
 
 
-@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 2), (16, 32, 1), (32, 80, 4)])
+# head_dim 40 has no compiled kernel: the cpu backend hands those rows to the torch path.
+@pytest.mark.parametrize("block_size,head_dim,group",
+                         [(16, 64, 2), (16, 32, 1), (32, 80, 4), (8, 128, 8), (16, 40, 2)])
 def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, group):
     context = _contexts(block_size, seed=block_size + head_dim)
     got, ref = _run(backend, context, [1] * len(context), block_size, head_dim, group,
@@ -66,31 +68,31 @@ def test_mixed_prefill_and_decode_match(backend, dtype, atol):
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
 
 
-
-def test_decode_kernels_reject_bad_inputs_instead_of_reading_past_them():
+def test_decode_kernel_rejects_bad_inputs_instead_of_reading_past_them():
     kernels = load_cpu_kernels()
     meta = paged_layout([5, 20], [1, 1], 16, seed=0)  # lengths 6 and 21: 1 and 2 blocks
-    key_cache, _ = random_caches(meta, 16, KV_HEADS, 64)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
     query = torch.randn(2, 4, 64)
-    requests = torch.tensor([0, 1])
 
-    def scores(query=query, width=21, requests=requests, table=meta.block_table):
-        out = torch.full((2, 4, width), float("-inf"))
-        kernels.decode_scores(out, query, key_cache, table, meta.seq_lens, requests,
-                              torch.tensor([0, 1]), 1.0)
+    def attend(query=query, requests=(0, 1), table=meta.block_table, lens=meta.seq_lens):
+        out = torch.full_like(query, float("nan"))
+        kernels.decode_attention(out, query, key_cache, value_cache, table, lens,
+                                 torch.tensor(requests), torch.tensor([0, 1]), 1.0)
         return out
 
-    assert torch.isfinite(scores()[1]).all()  # the valid call, for contrast
+    assert torch.isfinite(attend()).all()  # the valid call, for contrast
     with pytest.raises(RuntimeError, match="head_dim"):
-        scores(query=torch.randn(2, 4, 32))
+        attend(query=torch.randn(2, 4, 32))
     with pytest.raises(RuntimeError, match="request 7 out of range"):
-        scores(requests=torch.tensor([0, 7]))
-    with pytest.raises(RuntimeError, match="exceeds the scores"):
-        scores(width=10)
+        attend(requests=(0, 7))
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        attend(lens=torch.tensor([6, 10**4], dtype=torch.int32))
     bad_table = meta.block_table.clone()
     bad_table[1, 1] = 10**6
     with pytest.raises(RuntimeError, match="block 1000000 out of range"):
-        scores(table=bad_table)
+        attend(table=bad_table)
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        attend(query=query.double())
 
 
 def test_backend_names_are_checked():

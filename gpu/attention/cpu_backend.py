@@ -1,5 +1,5 @@
-"""The CPU attention backend: decode rows read the paged cache in place through C++ kernels
-(``gpu/cpu_kernels.cpp``), which also store each step's keys and values.
+"""The CPU attention backend: decode rows are attended in one pass over the paged cache by a
+C++ kernel (``gpu/cpu_attention.cpp``), and each step's keys and values are stored by another.
 
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
 which gathers each decode row's context into a copy first. Prefill chunks take the torch path
@@ -29,24 +29,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().write_kv(key, value, key_cache, value_cache, slot_mapping)
         self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def _decode_group(self, query: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      requests: list[int], out: torch.Tensor) -> None:
-        """softmax(q.k * scale) @ v for a group of decode requests of similar lengths (the
-        base class groups them, so one long context does not widen every row's scores)."""
-        if not _kernel_dtypes(query, key_cache, value_cache, out):
-            return super()._decode_group(query, key_cache, value_cache, meta, scale, requests,
-                                         out)
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        query_rows = torch.tensor([qsl[i] for i in requests])
-        request_index = torch.tensor(requests)
-        max_len = max(lens[i] for i in requests)
-        scores = torch.full((len(requests), query.shape[1], max_len), float("-inf"))
-        self.kernels.decode_scores(scores, query, key_cache, meta.block_table, meta.seq_lens,
-                                   request_index, query_rows, scale)
-        probs = torch.softmax(scores, dim=-1)
-        self.kernels.decode_weighted_values(out, probs, value_cache, meta.block_table,
-                                            meta.seq_lens, request_index, query_rows)
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, rows: list[int],
+                out: torch.Tensor) -> None:
+        """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
+        own context, so rows of any lengths go together."""
+        if not (_kernel_dtypes(query, key_cache, value_cache, out)
+                and self.kernels.decode_attention_supports(query.shape[-1])):
+            return super()._decode(query, key_cache, value_cache, meta, scale, rows, out)
+        qsl = meta.query_start_loc_cpu
+        self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
+                                      meta.seq_lens, torch.tensor(rows),
+                                      torch.tensor([qsl[i] for i in rows]), scale)
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:

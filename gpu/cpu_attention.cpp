@@ -1,0 +1,253 @@
+// Decode attention on the CPU, reading the paged KV cache in place, in one pass.
+//
+// Each decode row attends over its whole context: out = softmax(scale * q.K) V. Its keys and
+// values are read once, straight from their blocks, 16 positions at a time, with the softmax
+// kept online (a running maximum and sum per head, the partial output rescaled when the maximum
+// grows), so there is no scores buffer and no separate softmax. Sixteen dot products at a time
+// are summed across their lanes together (tidal::sum_each) into one vector of scores. Rows are
+// split over torch's threads with at::parallel_for.
+//
+// Against the three passes it replaced (scores, torch's softmax, weighted values), per layer of
+// a 30M Llama on a 2-core AVX-512 host: 0.25 vs 0.41 ms for 32 rows of 33-160 positions, and
+// 4.4 vs 6.2 ms for 128 rows of 160-384, where the cache no longer fits any cache level and
+// the reads from memory set the pace.
+//
+// Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
+// [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
+// seq_lens [requests] int32; requests and query_rows [n] int64: the i-th attended row is
+// request requests[i], whose query is query[query_rows[i]]. head_dim is one of those
+// decode_attention_supports names. Every index is checked before any is used.
+
+#pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
+
+#include "cpu_kernels.h"
+#include "cpu_vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using tidal::vec16;
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // positions attended together: one vector of scores per head
+constexpr int64_t kPrefetchAhead = 2 * kLanes;  // positions between a prefetch and its use
+
+void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
+                  const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                  const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                  const torch::Tensor& requests, const torch::Tensor& query_rows) {
+  for (const auto& t : {out, query, key_cache, value_cache, block_table, seq_lens})
+    TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
+  for (const auto& x : {out, query})
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                    x.sizes() == query.sizes() && x.scalar_type() == key_cache.scalar_type(),
+                "query/out must be [tokens, heads, head_dim] in the cache's dtype, rows "
+                "contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "caches must be contiguous 4-D tensors of one shape and dtype");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && decode_attention_supports(query.size(2)),
+              "head_dim must match the cache and be one of 32, 64, 80, 96, 128, 256");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
+                  block_table.stride(1) == 1,
+              "block_table must be 2-D int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32");
+  TORCH_CHECK(requests.scalar_type() == torch::kInt64 &&
+                  query_rows.scalar_type() == torch::kInt64 && requests.is_contiguous() &&
+                  query_rows.is_contiguous() && requests.numel() == query_rows.numel(),
+              "requests and query_rows must be contiguous int64 of one length");
+  const int64_t* req = requests.data_ptr<int64_t>();
+  const int64_t* qrow = query_rows.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_requests = std::min(seq_lens.numel(), block_table.size(0));
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  for (int64_t i = 0; i < requests.numel(); ++i) {
+    const int64_t r = req[i];
+    TORCH_CHECK(r >= 0 && r < num_requests, "request ", r, " out of range");
+    TORCH_CHECK(qrow[i] >= 0 && qrow[i] < query.size(0), "query row ", qrow[i], " out of range");
+    const int64_t len = lens[r];
+    TORCH_CHECK(len >= 1 && len <= block_table.size(1) * block_size, "seq_len ", len,
+                " of request ", r, " exceeds the block table");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int32_t block = table[r * block_table.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " out of range");
+    }
+  }
+}
+
+// Where each position of a row's context starts in the cache (in elements).
+void context_offsets(const int32_t* blocks, int64_t len, int64_t block_size,
+                     int64_t block_stride, int64_t token_stride, std::vector<int64_t>& offsets) {
+  offsets.resize(len);
+  for (int64_t b = 0, p = 0; p < len; ++b) {
+    const int64_t base = blocks[b] * block_stride;
+    for (int64_t t = 0; t < block_size && p < len; ++t, ++p) offsets[p] = base + t * token_stride;
+  }
+}
+
+// Asks for the whole cache rows (every KV head) of positions [from, from + 16) ahead of use: a
+// row's positions lie in scattered blocks, beyond what the hardware prefetcher foresees.
+template <typename scalar_t>
+void fetch_ahead(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
+                 int64_t from, int64_t len, int64_t row_elements) {
+  const int64_t bytes = row_elements * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t p = from; p < std::min(from + kLanes, len); ++p) {
+    const char* k = reinterpret_cast<const char*>(keys + offsets[p]);
+    const char* v = reinterpret_cast<const char*>(values + offsets[p]);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 3);
+      __builtin_prefetch(v + b, 0, 3);
+    }
+  }
+}
+
+// Online softmax state of one query head: the running maximum and sum of exp(score - maximum),
+// and the output so far (unnormalised), in two halves summed at the end.
+struct HeadState {
+  float max, sum;
+  float* acc;  // 2 x head_dim floats
+};
+
+// One query head over positions [p0, p0 + 16) (or fewer at the end): their scores, then the
+// online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
+// the query, the output and the 16 partial dot products stay in registers.
+template <int CHUNKS, typename scalar_t>
+void attend_block(const float* q, HeadState& state, const scalar_t* keys,
+                  const scalar_t* values, const int64_t* offsets, int64_t n) {
+  vec16 qv[CHUNKS], acc[2][CHUNKS];  // two sums of values, alternate positions, for ILP
+  for (int c = 0; c < CHUNKS; ++c) qv[c] = tidal::load(q + c * kLanes);
+  vec16 partial[kLanes];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kLanes; ++j) {
+    partial[j] = vec16{};
+    if (j < n) {
+      const scalar_t* k = keys + offsets[j];
+      for (int c = 0; c < CHUNKS; ++c) partial[j] += qv[c] * tidal::load(k + c * kLanes);
+    }
+  }
+  vec16 scores = tidal::sum_each(partial);
+  for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+  const float new_max = std::max(state.max, tidal::max(scores));
+  const float rescale = std::exp(state.max - new_max);  // 0 on the first block
+  const vec16 weights = tidal::exp_nonpositive(scores - new_max);
+  state.sum = state.sum * rescale + tidal::sum(weights);
+  state.max = new_max;
+  for (int c = 0; c < CHUNKS; ++c) {
+    acc[0][c] = tidal::load(state.acc + c * kLanes) * rescale;
+    acc[1][c] = tidal::load(state.acc + (CHUNKS + c) * kLanes) * rescale;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* v = values + offsets[j];
+    const float w = weights[j];
+    for (int c = 0; c < CHUNKS; ++c) acc[j & 1][c] += w * tidal::load(v + c * kLanes);
+  }
+  for (int c = 0; c < CHUNKS; ++c) {
+    tidal::store(state.acc + c * kLanes, acc[0][c]);
+    tidal::store(state.acc + (CHUNKS + c) * kLanes, acc[1][c]);
+  }
+}
+
+template <typename scalar_t>
+using BlockKernel = void (*)(const float*, HeadState&, const scalar_t*, const scalar_t*,
+                             const int64_t*, int64_t);
+
+// The block kernel for head_dim, or nullptr for a size without one.
+template <typename scalar_t>
+BlockKernel<scalar_t> block_kernel(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_block<2, scalar_t>;
+    case 64: return attend_block<4, scalar_t>;
+    case 80: return attend_block<5, scalar_t>;
+    case 96: return attend_block<6, scalar_t>;
+    case 128: return attend_block<8, scalar_t>;
+    case 256: return attend_block<16, scalar_t>;
+    default: return nullptr;
+  }
+}
+
+template <typename scalar_t>
+void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
+                             const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                             const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                             const torch::Tensor& requests, const torch::Tensor& query_rows,
+                             float scale) {
+  const int64_t rows = requests.numel(), heads = query.size(1), dim = query.size(2);
+  const int64_t group = heads / key_cache.size(2);
+  const BlockKernel<scalar_t> attend = block_kernel<scalar_t>(dim);
+  const int64_t* req = requests.data_ptr<int64_t>();
+  const int64_t* qrow = query_rows.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* keys = key_cache.data_ptr<scalar_t>();
+  const scalar_t* values = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+
+  // A task is one row. Every head takes its turn on each 16 positions before the next 16, so
+  // the positions' whole cache rows (all KV heads) are read together, front to back.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * 2 * dim);
+    std::vector<HeadState> states(heads);
+    std::vector<int64_t> offsets;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = req[i], len = lens[r];
+      const scalar_t* qi = q + qrow[i] * query.stride(0);
+      for (int64_t d = 0; d < heads * dim; ++d) qf[d] = static_cast<float>(qi[d]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t h = 0; h < heads; ++h)
+        states[h] = HeadState{-std::numeric_limits<float>::infinity(), 0.f,
+                              acc.data() + h * 2 * dim};
+      context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
+                      key_cache.stride(0), key_cache.stride(1), offsets);
+      const int64_t row_elements = key_cache.stride(1);
+      for (int64_t p = 0; p < kPrefetchAhead; p += kLanes)
+        fetch_ahead(keys, values, offsets.data(), p, len, row_elements);
+      for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
+        const int64_t n = std::min(kLanes, len - p0);
+        fetch_ahead(keys, values, offsets.data(), p0 + kPrefetchAhead, len, row_elements);
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t head_offset = (h / group) * dim;
+          attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
+                 offsets.data() + p0, n);
+        }
+      }
+      scalar_t* oi = o + qrow[i] * out.stride(0);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < dim; ++d)
+          oi[h * dim + d] = static_cast<scalar_t>(
+              (states[h].acc[d] + states[h].acc[dim + d]) / states[h].sum);
+    }
+  });
+}
+
+}  // namespace
+
+bool decode_attention_supports(int64_t head_dim) {
+  return block_kernel<float>(head_dim) != nullptr;
+}
+
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                      torch::Tensor value_cache, torch::Tensor block_table,
+                      torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
+                      double scale) {
+  check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows);
+  AT_DISPATCH_SWITCH(query.scalar_type(), "decode_attention",
+                     AT_DISPATCH_CASE(at::ScalarType::Float, [&] {
+                       decode_attention_kernel<scalar_t>(out, query, key_cache, value_cache,
+                                                         block_table, seq_lens, requests,
+                                                         query_rows, static_cast<float>(scale));
+                     }) AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES([&] {
+                       decode_attention_kernel<scalar_t>(out, query, key_cache, value_cache,
+                                                         block_table, seq_lens, requests,
+                                                         query_rows, static_cast<float>(scale));
+                     }));
+}
