@@ -47,8 +47,8 @@ inline float max(vec16 v) {
 }
 
 // exp of each lane for x <= 0 (softmax's shifted scores); lanes below -87.3, -inf among them,
-// give 0, so no denormal is made. Range reduction x = n ln2 + r, |r| <= ln2/2, then Cephes'
-// degree-6 polynomial for exp(r) and the exponent bits for 2^n: within 2 ulp of expf.
+// give 0, so no denormal is made. Range reduction x = n ln2 + r, |r| <= ln2/2, then the
+// polynomial of Cephes' expf for exp(r) and the exponent bits for 2^n.
 inline vec16 exp_nonpositive(vec16 x) {
   const vec16 low = splat(-87.3f);
   const ivec16 underflow = x < low;
