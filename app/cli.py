@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
                        help="most sequences in one batch")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int,
-                       default=defaults.max_num_batched_tokens,
-                       help="most tokens (prefill chunks + decodes) in one step")
+                       default=None,
+                       help="most tokens (prefill chunks + decodes) in one step (default: 256 "
+                       "on CPU, 2048 on GPU)")
     serve.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
                        "max_position_embeddings)")

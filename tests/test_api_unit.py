@@ -367,6 +367,15 @@ def test_parse_bytes() -> None:
             parse_bytes(bad)
 
 
+def test_token_budget_defaults_by_device(model_dir: Path) -> None:
+    """A CPU step costs the same per token past a few hundred, so a CPU takes a small budget."""
+    def budget(**kwargs: Any) -> int | None:
+        return EngineConfig(model=str(model_dir), **kwargs).max_num_batched_tokens
+
+    assert (budget(), budget(device="cuda"), budget(max_num_batched_tokens=64)) == (256, 2048, 64)
+    assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None  # the config's
+
+
 def test_cli_flags(model_dir: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--model", str(model_dir), "--host", "0.0.0.0", "--port", "9000",
