@@ -23,6 +23,7 @@
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -41,7 +42,8 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                   const torch::Tensor& requests, const torch::Tensor& query_rows) {
-  for (const auto& t : {out, query, key_cache, value_cache, block_table, seq_lens})
+  for (const auto& t :
+       {out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows})
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
   for (const auto& x : {out, query})
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
@@ -54,7 +56,14 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
               "caches must be contiguous 4-D tensors of one shape and dtype");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && decode_attention_supports(query.size(2)),
               "head_dim must match the cache and be one of 32, 64, 80, 96, 128, 256");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
+              "heads must be a multiple of kv heads");
+  // Rows are written by several threads while others read their queries: each row of out
+  // must be its own memory, and out may be query itself but not overlap it otherwise.
+  at::assert_no_internal_overlap(out);
+  at::assert_no_partial_overlap(out, query);
+  at::assert_no_overlap(out, key_cache);
+  at::assert_no_overlap(out, value_cache);
   TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
                   block_table.stride(1) == 1,
               "block_table must be 2-D int32 with contiguous rows");
@@ -70,10 +79,13 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t num_requests = std::min(seq_lens.numel(), block_table.size(0));
   const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  std::vector<bool> written(query.size(0));
   for (int64_t i = 0; i < requests.numel(); ++i) {
     const int64_t r = req[i];
     TORCH_CHECK(r >= 0 && r < num_requests, "request ", r, " out of range");
     TORCH_CHECK(qrow[i] >= 0 && qrow[i] < query.size(0), "query row ", qrow[i], " out of range");
+    TORCH_CHECK(!written[qrow[i]], "query row ", qrow[i], " given twice");
+    written[qrow[i]] = true;
     const int64_t len = lens[r];
     TORCH_CHECK(len >= 1 && len <= block_table.size(1) * block_size, "seq_len ", len,
                 " of request ", r, " exceeds the block table");
@@ -137,8 +149,11 @@ void attend_block(const float* q, HeadState& state, const scalar_t* keys,
   vec16 scores = tidal::sum_each(partial);
   for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   const float new_max = std::max(state.max, tidal::max(scores));
-  const float rescale = std::exp(state.max - new_max);  // 0 on the first block
-  const vec16 weights = tidal::exp_nonpositive(scores - new_max);
+  // Scores are shifted by the maximum, or by 0 while every score so far is -inf (where
+  // -inf - -inf would make every later weight NaN); an all -inf row ends as 0 / 0, as in torch.
+  const float shift = new_max == -std::numeric_limits<float>::infinity() ? 0.f : new_max;
+  const float rescale = std::exp(state.max - shift);  // 0 on the first block
+  const vec16 weights = tidal::exp_nonpositive(scores - shift);
   state.sum = state.sum * rescale + tidal::sum(weights);
   state.max = new_max;
   for (int c = 0; c < CHUNKS; ++c) {

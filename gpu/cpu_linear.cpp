@@ -117,11 +117,12 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                             c10::optional<torch::Tensor> bias) {
+  // A row of one feature is contiguous whatever its stride (a transposed column has one > 1).
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
-                  x.stride(1) == 1,
+                  (x.stride(1) == 1 || x.size(1) == 1),
               "x must be a 2-D float32 CPU tensor with contiguous rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  panels.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 3 && panels.size(2) == kPanel &&
+                  panels.is_contiguous() && panels.scalar_type() == torch::kFloat32,
               "panels must come from pack_linear_weight");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, P = panels.size(0);
   TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the weight ", panels.size(1));
@@ -129,9 +130,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
               " does not match the panels");
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N &&
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->numel() == N &&
                     bias->scalar_type() == torch::kFloat32,
-                "bias must be contiguous float32 of out_features");
+                "bias must be a contiguous float32 CPU tensor of out_features");
     b = bias->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());

@@ -53,6 +53,8 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                       [None], "")
         rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1 and self.in_features > 1:
+            rows = rows.contiguous()  # the kernel reads each row as one run of floats
         y = load_cpu_kernels().packed_linear(rows, self.packed_weight, self.out_features,
                                              self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -122,3 +122,56 @@ def test_kernel_cache_write_matches_the_torch_write(dtype):
     slot = int(meta.slot_mapping[0])
     assert torch.equal(caches[0][0].flatten(0, 1)[slot], key[0])  # really written
     assert not torch.equal(base[0].flatten(0, 1)[slot], key[0])
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
+                                        (torch.float16, 5e-3)])
+def test_decode_kernel_softmax_survives_a_first_block_of_minus_inf_scores(dtype, atol):
+    """Request 0's first 16 positions score -inf (a -inf key feature against a positive query
+    one): they weigh 0, and the later positions still count. Request 1 scores -inf everywhere:
+    0 / 0, NaN, as torch's softmax gives."""
+    meta = paged_layout([39, 20], [1, 1], 16, seed=5)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64, dtype)
+    key_cache[meta.block_table[0, 0], :, :, 0] = float("-inf")
+    key_cache[meta.block_table[1, :2], :, :, 0] = float("-inf")
+    query = torch.randn(2, 2 * KV_HEADS, 64).to(dtype)
+    query[..., 0] = 1.0
+    out = torch.empty_like(query)
+    load_cpu_kernels().decode_attention(out, query, key_cache, value_cache, meta.block_table,
+                                        meta.seq_lens, torch.tensor([0, 1]),
+                                        torch.tensor([0, 1]), 0.17)
+    ref = reference_paged_attention(query.float(), key_cache.float(), value_cache.float(), meta,
+                                    0.17)
+    assert torch.isfinite(ref[0]).all() and torch.isnan(ref[1]).all()
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0, equal_nan=True)
+
+
+def test_decode_kernel_rejects_overlapping_outputs_and_empty_kv_heads():
+    """Rows are written by parallel threads: out rows sharing memory (with each other, with
+    another query row, with the caches) would race. No KV heads must raise, not divide by 0."""
+    kernels = load_cpu_kernels()
+    meta = paged_layout([5, 20, 9], [1, 1, 1], 16, seed=1)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
+    query = torch.randn(3, 4, 64)
+
+    def attend(out, query=query, query_rows=(0, 1, 2), caches=(key_cache, value_cache)):
+        kernels.decode_attention(out, query, *caches, meta.block_table, meta.seq_lens,
+                                 torch.tensor([0, 1, 2]), torch.tensor(query_rows), 0.3)
+        return out
+
+    expected = attend(torch.empty_like(query))
+    in_place = query.clone()
+    attend(in_place, query=in_place)  # allowed: each row reads its own query before writing
+    torch.testing.assert_close(in_place, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="given twice"):
+        attend(torch.empty_like(query), query_rows=(0, 2, 0))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        attend(torch.empty(1, 4, 64).expand(3, 4, 64))
+    shifted = torch.cat([query, torch.zeros(1, 4, 64)])
+    with pytest.raises(RuntimeError, match="single memory location"):
+        attend(shifted[1:], query=shifted[:3])
+    with pytest.raises(RuntimeError, match="single memory location"):
+        attend(key_cache.view(-1, 4, 64)[:3])
+    no_heads = torch.empty(*key_cache.shape[:2], 0, 64)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        attend(torch.empty_like(query), caches=(no_heads, no_heads))

@@ -79,3 +79,23 @@ def test_only_cpu_float_dtypes_are_packed() -> None:
     assert can_pack("cpu", torch.bfloat16)
     assert not can_pack("cpu", torch.float16)
     assert not can_pack("cuda", torch.float32)
+
+
+def test_float32_gemm_takes_one_feature_rows_of_any_stride() -> None:
+    """A row of one feature is contiguous whatever its stride: nn.Linear(1, n) on a transposed
+    column works as with F.linear."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1, 40)
+    x = torch.randn(1, 5).t()  # [5, 1], strides (1, 5)
+    with torch.inference_mode():
+        expected = linear(x)
+        got = PackedLinear(linear)(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_takes_inputs_with_strided_features() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40)
+    x = torch.randn(24, 6).t()  # [6, 24], features 6 floats apart
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
