@@ -12,6 +12,7 @@ lives at slot ``block_table[i, p // block_size] * block_size + p % block_size``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,3 +37,9 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def decode_requests(self) -> list[int]:
+        """The requests with one query row this step, worked out once for every layer."""
+        qsl = self.query_start_loc_cpu
+        return [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] == 1]

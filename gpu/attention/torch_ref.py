@@ -32,9 +32,8 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.zeros_like(query)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        decode_rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if decode_rows:
-            self._decode(query, key_cache, value_cache, meta, scale, decode_rows, out)
+        if meta.decode_requests:
+            self._decode(query, key_cache, value_cache, meta, scale, meta.decode_requests, out)
         for i in range(meta.num_reqs):
             if qsl[i + 1] - qsl[i] > 1:
                 start, end = qsl[i], qsl[i + 1]
