@@ -187,6 +187,9 @@ bool set_thread_flush(bool on) {
 #endif
 }
 
+// The two long kernels (milliseconds a call) let go of the GIL, as torch's own ops do, so the
+// event loop can stream tokens and take requests while a step computes: at concurrency 32 that
+// gave 1,385-1,416 output tok/s against 1,338-1,346 with the GIL held.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_thread_flush", &set_thread_flush,
         "set or clear denormal flushing on this thread; returns the previous setting");
@@ -197,8 +200,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head_dim");
-  m.def("decode_attention", &decode_attention,
+  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.K) V of decode rows over the paged cache, in one pass");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
-  m.def("packed_linear", &packed_linear, "y = x W^T + b over packed panels (float32)");
+  m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>(),
+        "y = x W^T + b over packed panels (float32)");
 }
