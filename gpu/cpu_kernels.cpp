@@ -16,10 +16,8 @@
 #define TIDAL_HAS_MXCSR 1
 #endif
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 // float32, float64, bfloat16 and float16: the element type is scalar_t inside the lambda.
 #define TIDAL_DISPATCH(TYPE, NAME, ...) \

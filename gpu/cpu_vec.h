@@ -8,8 +8,6 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
-#include <limits>
 
 namespace tidal {
 
