@@ -16,6 +16,7 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 typedef uint32_t uvec16 __attribute__((vector_size(64)));
 typedef uint16_t u16vec16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32vec16_any __attribute__((vector_size(64), aligned(2), may_alias));
 
 inline vec16 splat(float x) { return vec16{} + x; }
 inline void store(float* p, vec16 v) { *reinterpret_cast<vec16*>(p) = v; }
@@ -26,22 +27,37 @@ inline vec16 load(const c10::BFloat16* p) {  // a bfloat16 is the top half of a 
   const uvec16 wide = __builtin_convertvector(*reinterpret_cast<const u16vec16*>(p), uvec16);
   return reinterpret_cast<vec16>(wide << 16);
 }
+// 32 consecutive bfloat16 as two float32 vectors: `even` holds elements 0, 2, ..., 30 and `odd`
+// elements 1, 3, ..., 31. One load and one shift or mask each: cheaper than widening 16 halves.
+inline void load_pairs(const c10::BFloat16* p, vec16& even, vec16& odd) {
+  const uvec16 words = *reinterpret_cast<const u32vec16_any*>(p);  // element 2i in the low half
+  even = reinterpret_cast<vec16>(words << 16);
+  odd = reinterpret_cast<vec16>(words & 0xFFFF0000u);
+}
 inline vec16 load(const c10::Half* p) {
   alignas(64) float f[16];
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
   return load(f);
 }
 
+// Horizontal sum and maximum as shuffle trees (four rounds), not 16 dependent steps.
+inline vec16 swap_halves(vec16 v, int width) {  // lanes i and i ^ width trade places
+  ivec16 index;
+  for (int i = 0; i < 16; ++i) index[i] = i ^ width;
+  return __builtin_shuffle(v, index);
+}
+
 inline float sum(vec16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  for (int width = 8; width >= 1; width /= 2) v += swap_halves(v, width);
+  return v[0];
 }
 
 inline float max(vec16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  for (int width = 8; width >= 1; width /= 2) {
+    const vec16 w = swap_halves(v, width);
+    v = w > v ? w : v;
+  }
+  return v[0];
 }
 
 // exp of each lane for x <= 0 (softmax's shifted scores); lanes below -87.3, -inf among them,

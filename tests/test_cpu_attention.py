@@ -58,6 +58,15 @@ def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, grou
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim,group", [(32, 1), (64, 2), (80, 4), (128, 8), (256, 1)])
+def test_bfloat16_decode_rows_match(backend, head_dim, group):
+    """bfloat16 caches: head sizes divisible by 32 are read as even/odd pairs (80 is not), so
+    every element must come back to its place; the only error is the output's rounding."""
+    context = _contexts(16, seed=head_dim)
+    got, ref = _run(backend, context, [1] * len(context), 16, head_dim, group, torch.bfloat16)
+    torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=8e-3, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
                                         (torch.float16, 5e-3)])
 def test_mixed_prefill_and_decode_match(backend, dtype, atol):
