@@ -41,7 +41,7 @@ using tidal::vec16;
 namespace {
 
 constexpr int64_t kLanes = 16;  // positions attended together: one vector of scores per head
-constexpr int64_t kPrefetchAhead = 2 * kLanes;  // positions between a prefetch and its use
+constexpr int64_t kPrefetchAhead = kLanes;  // positions between a prefetch and its use
 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -130,6 +130,24 @@ void fetch_ahead(const scalar_t* keys, const scalar_t* values, const int64_t* of
   }
 }
 
+// The cache lines of positions [from, from + 16): every KV head's key and value rows.
+template <typename scalar_t>
+int64_t future_lines(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
+                     int64_t from, int64_t len, int64_t row_elements,
+                     std::vector<const char*>& lines) {
+  const int64_t bytes = row_elements * static_cast<int64_t>(sizeof(scalar_t));
+  int64_t count = 0;
+  for (int64_t p = from; p < std::min(from + kLanes, len); ++p) {
+    const char* k = reinterpret_cast<const char*>(keys + offsets[p]);
+    const char* v = reinterpret_cast<const char*>(values + offsets[p]);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      lines[count++] = k + b;
+      lines[count++] = v + b;
+    }
+  }
+  return count;
+}
+
 // Online softmax state of one query head: the running maximum, and in `acc` the output so far
 // (unnormalised) in two halves summed at the end, then a vector of the sums of exp(score -
 // maximum), reduced at the end.
@@ -165,14 +183,22 @@ struct PairedBf16Rows {
 // online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
 // the query, the output and the 16 partial dot products stay in registers; `offsets` always
 // names 16 rows (context_offsets pads them). q and the state are in Rows' chunk order.
+struct Lines {
+  const char* const* at;
+  int64_t count;
+};
+
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
-                  const typename Rows::type* values, const int64_t* offsets, int64_t n) {
+                  const typename Rows::type* values, const int64_t* offsets, int64_t n,
+                  Lines fetch) {
   vec16 qv[CHUNKS], acc[2][CHUNKS];  // two sums of values, alternate positions, for ILP
   for (int c = 0; c < CHUNKS; ++c) qv[c] = tidal::load(q + c * kLanes);
   vec16 partial[kLanes];
 #pragma GCC unroll 16
   for (int64_t j = 0; j < kLanes; ++j) {
+    for (int64_t f = j * fetch.count / kLanes; f < (j + 1) * fetch.count / kLanes; ++f)
+      __builtin_prefetch(fetch.at[f], 0, 3);
     const auto* k = keys + offsets[j];
     partial[j] = qv[0] * Rows::chunk(k, 0);
     for (int c = 1; c < CHUNKS; ++c) partial[j] += qv[c] * Rows::chunk(k, c);
@@ -214,7 +240,7 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
 
 template <typename Rows>
 using BlockKernel = void (*)(const float*, HeadState&, const typename Rows::type*,
-                             const typename Rows::type*, const int64_t*, int64_t);
+                             const typename Rows::type*, const int64_t*, int64_t, Lines);
 
 // The block kernel for head_dim, or nullptr for a size without one.
 template <typename Rows>
@@ -259,6 +285,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
     std::vector<int64_t> offsets;
+    std::vector<const char*> lines(2 * kLanes * ((row_elements * sizeof(scalar_t) + 63) / 64));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = req[i], len = lens[r];
       const scalar_t* qi = q + qrow[i] * query.stride(0);
@@ -275,11 +302,15 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
         fetch_ahead(keys, values, offsets.data(), p, len, row_elements);
       for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
         const int64_t n = std::min(kLanes, len - p0);
-        fetch_ahead(keys, values, offsets.data(), p0 + kPrefetchAhead, len, row_elements);
+        const int64_t count = future_lines(keys, values, offsets.data(), p0 + kPrefetchAhead,
+                                           len, row_elements, lines);
+        const int64_t per_head = (count + heads - 1) / heads;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t head_offset = (h / group) * dim;
+          const int64_t first = std::min(count, h * per_head);
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
-                 offsets.data() + p0, n);
+                 offsets.data() + p0, n,
+                 Lines{lines.data() + first, std::min(count, first + per_head) - first});
         }
       }
       scalar_t* oi = o + qrow[i] * out.stride(0);
