@@ -200,6 +200,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention takes this head_dim");
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.K) V of decode rows over the paged cache, in one pass");
+  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),
+        "SiLU(gate) * up of a fused [..., 2n] gate_up projection");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
   m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>(),
         "y = x W^T + b over packed panels (float32)");

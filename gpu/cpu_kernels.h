@@ -19,3 +19,6 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale);
+
+// cpu_activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
+torch::Tensor silu_and_mul(torch::Tensor x);

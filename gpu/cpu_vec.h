@@ -34,6 +34,24 @@ inline void load_pairs(const c10::BFloat16* p, vec16& even, vec16& odd) {
   even = reinterpret_cast<vec16>(words << 16);
   odd = reinterpret_cast<vec16>(words & 0xFFFF0000u);
 }
+// Each lane rounded to the nearest bfloat16 (ties to even), kept as a float32: what storing it
+// as a bfloat16 and loading it back gives, NaN included.
+inline vec16 round_to_bf16(vec16 v) {
+  const uvec16 bits = reinterpret_cast<uvec16>(v);
+  const uvec16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const vec16 nan = reinterpret_cast<vec16>(uvec16{} + 0x7FC00000u);  // c10's NaN
+  return v != v ? nan : reinterpret_cast<vec16>(rounded);
+}
+inline void store(c10::BFloat16* p, vec16 v) {  // rounds to nearest, ties to even
+  const uvec16 top = reinterpret_cast<uvec16>(round_to_bf16(v)) >> 16;
+  *reinterpret_cast<u16vec16*>(p) = __builtin_convertvector(top, u16vec16);
+}
+// load_pairs' inverse: 32 bfloat16 from their even and odd elements, each rounded.
+inline void store_pairs(c10::BFloat16* p, vec16 even, vec16 odd) {
+  const uvec16 low = reinterpret_cast<uvec16>(round_to_bf16(even)) >> 16;
+  const uvec16 high = reinterpret_cast<uvec16>(round_to_bf16(odd));
+  *reinterpret_cast<u32vec16_any*>(p) = high | low;
+}
 inline vec16 load(const c10::Half* p) {
   alignas(64) float f[16];
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);

@@ -84,3 +84,26 @@ def test_rotary_kernel_rotates_strided_views_in_place(torch_forms, dtype, tol):
     torch.testing.assert_close(fused[:, 6 * 64:], qkv[:, 6 * 64:])  # v untouched
     with pytest.raises(RuntimeError, match="out of range"):
         rope(torch.tensor([512] * 9), *views(fused))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3),
+                                       (torch.float16, 1e-3)])
+@pytest.mark.parametrize("width", [1408, 37])  # 37: lanes past the last whole vector
+def test_silu_and_mul_kernel_matches_the_torch_form(torch_forms, dtype, tol, width):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(2, 5, 2 * width) * 6).to(dtype)
+    gate_up[0, 0, :8] = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, 200.0, -200.0])
+    assert load_cpu_kernels() is not None
+    got = layers.silu_and_mul(gate_up)
+    expected = torch_forms(lambda: layers.silu_and_mul(gate_up))
+    assert got.dtype == dtype and got.shape == (2, 5, width)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=1e-6)
+
+
+def test_silu_and_mul_kernel_keeps_infinities_and_nans():
+    gate = torch.tensor([float("inf"), float("-inf"), float("nan"), 2.0] * 4)
+    up = torch.tensor([2.0, 3.0, 1.0, float("nan")] * 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = load_cpu_kernels().silu_and_mul(torch.cat([gate, up]).to(dtype)).float()
+        expected = (torch.nn.functional.silu(gate.to(dtype)) * up.to(dtype)).float()
+        torch.testing.assert_close(got, expected, equal_nan=True)
