@@ -26,16 +26,29 @@
 
 namespace {
 
+// RMSNorm of x's rows into out; with a delta, of x + delta, whose rows (rounded to scalar_t, as
+// torch's add leaves them) are stored into sum first: the residual add and the norm after it
+// in one pass.
 template <typename scalar_t>
 void rms_norm_kernel(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-                     double eps) {
+                     double eps, const torch::Tensor* delta = nullptr,
+                     torch::Tensor* sum = nullptr) {
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   const scalar_t* in = x.data_ptr<scalar_t>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
+  const scalar_t* d = delta ? delta->data_ptr<scalar_t>() : nullptr;
+  scalar_t* s = sum ? sum->data_ptr<scalar_t>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = in + r * dim;
+      if (d != nullptr) {
+        const scalar_t* dr = d + r * dim;
+        scalar_t* sr = s + r * dim;
+        for (int64_t j = 0; j < dim; ++j)
+          sr[j] = static_cast<scalar_t>(static_cast<float>(xr[j]) + static_cast<float>(dr[j]));
+        xr = sr;
+      }
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t j = 0; j < dim; ++j) {
@@ -116,16 +129,33 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
   copy_rows(value, value_cache);
 }
 
-// RMSNorm of the rows of a contiguous x ([..., dim]) into a new tensor.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+static void check_rms_norm_inputs(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be [dim] in x's dtype");
+}
+
+// RMSNorm of the rows of a contiguous x ([..., dim]) into a new tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rms_norm_inputs(x, weight);
   torch::Tensor out = torch::empty_like(x);
   TIDAL_DISPATCH(x.scalar_type(), "rms_norm",
                  [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps); });
   return out;
+}
+
+// (x + delta, RMSNorm(x + delta)) as two new tensors, for a residual add followed by a norm.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta,
+                                                      torch::Tensor weight, double eps) {
+  check_rms_norm_inputs(x, weight);
+  TORCH_CHECK(delta.device().is_cpu() && delta.is_contiguous() && delta.sizes() == x.sizes() &&
+                  delta.scalar_type() == x.scalar_type(),
+              "delta must be a contiguous CPU tensor of x's shape and dtype");
+  torch::Tensor sum = torch::empty_like(x), out = torch::empty_like(x);
+  TIDAL_DISPATCH(x.scalar_type(), "add_rms_norm",
+                 [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps, &delta, &sum); });
+  return {sum, out};
 }
 
 // Rotates query [tokens, heads, head_dim] and key [tokens, kv_heads, head_dim] in place
@@ -195,6 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "flush denormals to zero on torch's worker threads");
   m.def("write_kv", &write_kv, "store key/value rows at their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm, normalised in float32 (HF's order of rounding)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) in one pass");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head_dim");

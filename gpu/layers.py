@@ -34,6 +34,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))``: a residual add and the norm after it, in one
+        pass on the CPU (the add alone is a trip through memory at prefill sizes)."""
+        kernels = cpu_kernels_for(x)
+        if kernels is not None and x.is_contiguous() and delta.is_contiguous():
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``SiLU(gate) * up`` of a fused ``[..., 2n]`` gate/up projection, rounded as HF's

@@ -64,6 +64,21 @@ def test_rms_norm_kernel_matches_the_torch_form(torch_forms, dtype, tol):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_add_and_norm_kernel_matches_the_torch_form(torch_forms, dtype, tol):
+    """The sum is rounded to the dtype before it is normalised, as a separate add leaves it."""
+    torch.manual_seed(3)
+    norm = layers.RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, delta = ((torch.randn(2, 19, 96) * 3).to(dtype) for _ in range(2))
+    got_sum, got = norm.add_and_norm(x, delta)
+    expected_sum, expected = torch_forms(lambda: norm.add_and_norm(x, delta))
+    torch.testing.assert_close(got_sum, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="delta must be"):
+        load_cpu_kernels().add_rms_norm(x, delta[:, :5], norm.weight, 1e-6)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_rotary_kernel_rotates_strided_views_in_place(torch_forms, dtype, tol):
     """q and k as views into one fused projection, as the attention layer makes them."""
