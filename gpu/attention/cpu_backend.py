@@ -37,10 +37,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not (_kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])):
             return super()._decode(query, key_cache, value_cache, meta, scale, rows, out)
-        qsl = meta.query_start_loc_cpu
+        requests, query_rows = (meta.decode_rows_cpu if rows == meta.decode_requests else
+                                (torch.tensor(rows),
+                                 torch.tensor([meta.query_start_loc_cpu[i] for i in rows])))
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
-                                      meta.seq_lens, torch.tensor(rows),
-                                      torch.tensor([qsl[i] for i in rows]), scale)
+                                      meta.seq_lens, requests, query_rows, scale)
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:

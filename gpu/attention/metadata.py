@@ -43,3 +43,11 @@ class AttentionMetadata:
         """The requests with one query row this step, worked out once for every layer."""
         qsl = self.query_start_loc_cpu
         return [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+
+    @functools.cached_property
+    def decode_rows_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode requests and their query rows as int64 CPU tensors, for kernels that
+        take index tensors: built once a step, not once a layer."""
+        rows = self.decode_requests
+        qsl = self.query_start_loc_cpu
+        return torch.tensor(rows), torch.tensor([qsl[i] for i in rows])

@@ -30,8 +30,9 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.zeros_like(query)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        out = torch.empty_like(query)
+        out[qsl[-1]:].zero_()  # padding rows; every request's rows are written below
         if meta.decode_requests:
             self._decode(query, key_cache, value_cache, meta, scale, meta.decode_requests, out)
         for i in range(meta.num_reqs):
