@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from transformers import AutoTokenizer
 
 import bench.common
@@ -19,6 +20,7 @@ from bench.load_generator import (
     LaunchedServer,
     RequestClass,
     Workload,
+    client_session,
     one_request,
     request_body,
     run_classes,
@@ -112,16 +114,18 @@ def test_transformers_flavor_request_and_stream() -> None:
         "usage": {"prompt_tokens": 2, "completion_tokens": 3}}) + "\n\n"
     seen: list[dict] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(request.content))
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.Response(text=sse, content_type="text/event-stream")
 
     async def go(stream: str) -> Any:
         nonlocal sse
         sse = stream
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
-                                     base_url="http://peer") as client:
-            return await one_request(client, "m", "hi", 3, flavor="transformers")
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async with TestServer(app) as server:
+            async with client_session(str(server.make_url("")), 4) as client:
+                return await one_request(client, "m", "hi", 3, flavor="transformers")
 
     result = asyncio.run(go(sse))
     assert result.ok and result.output_tokens == 3 and result.prompt_tokens == 2
