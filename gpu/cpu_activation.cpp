@@ -80,7 +80,7 @@ void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
       }
       for (; j < vector_end; j += kLanes)
         store(orow + j, rounded<scalar_t>(silu(tidal::load(gate + j))) * tidal::load(up + j));
-      for (int64_t j = vector_end; j < width; ++j) {
+      for (; j < width; ++j) {
         const scalar_t s = static_cast<scalar_t>(silu(static_cast<float>(gate[j])));
         orow[j] = static_cast<scalar_t>(static_cast<float>(s) * static_cast<float>(up[j]));
       }

@@ -7,15 +7,20 @@
 // are summed across their lanes together (tidal::sum_each) into one vector of scores. Rows are
 // split over torch's threads with at::parallel_for.
 //
-// bfloat16 caches are read 32 elements at a time as 16 32-bit words, whose low and high halves
-// are the even and odd elements (PairedBf16Rows): one load and one shift or mask per 16 floats,
-// where widening 16 halves takes four instructions. For 128 rows of 160-384 positions this
-// cut a layer from 3.5-3.6 to 2.8 ms.
+// While a row works on 16 positions, the cache lines of its next 16 are prefetched a few at a
+// time, spread over the block kernel's loop: asked for all at once, they filled the core's
+// miss buffers and stalled it until they arrived, so fetching and arithmetic took turns.
 //
-// Against the three passes it replaced (scores, torch's softmax, weighted values), per layer of
-// a 30M Llama on a 2-core AVX-512 host, float32: 0.25 vs 0.41 ms for 32 rows of 33-160
-// positions, and 4.2-4.4 vs 6.2 ms for 128 rows of 160-384, where the cache no longer fits any
-// cache level and the reads from memory set the pace.
+// bfloat16 caches of a head_dim divisible by 32 (all supported sizes but 80) are read 32
+// elements at a time as 16 32-bit words, whose low and high halves are the even and odd
+// elements (PairedBf16Rows): one load and one shift or mask per 16 floats, where widening 16
+// halves takes four instructions.
+//
+// Per layer of a 30M Llama (8 heads, 4 KV heads of 64) on a 2-core AVX-512 host, float32:
+// 0.21 ms for 32 rows of 33-160 positions, against 0.41 ms for the three passes of scores,
+// torch's softmax and weighted values; 3.6-3.7 ms for 128 rows of 160-384 (6.2 ms in three
+// passes), where the cache no longer fits any cache level and the reads from memory set the
+// pace. A bfloat16 cache takes 2.0-2.1 ms there.
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
 // [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
@@ -114,23 +119,8 @@ void context_offsets(const int32_t* blocks, int64_t len, int64_t block_size,
   std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
 }
 
-// Asks for the whole cache rows (every KV head) of positions [from, from + 16) ahead of use: a
-// row's positions lie in scattered blocks, beyond what the hardware prefetcher foresees.
-template <typename scalar_t>
-void fetch_ahead(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
-                 int64_t from, int64_t len, int64_t row_elements) {
-  const int64_t bytes = row_elements * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t p = from; p < std::min(from + kLanes, len); ++p) {
-    const char* k = reinterpret_cast<const char*>(keys + offsets[p]);
-    const char* v = reinterpret_cast<const char*>(values + offsets[p]);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 3);
-      __builtin_prefetch(v + b, 0, 3);
-    }
-  }
-}
-
-// The cache lines of positions [from, from + 16): every KV head's key and value rows.
+// The cache lines of positions [from, from + 16) (those before len): every KV head's key and
+// value rows, in `lines`; returns how many.
 template <typename scalar_t>
 int64_t future_lines(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
                      int64_t from, int64_t len, int64_t row_elements,
@@ -179,14 +169,16 @@ struct PairedBf16Rows {
   static int64_t element(int c, int lane) { return (c / 2) * 2 * kLanes + 2 * lane + c % 2; }
 };
 
-// One query head over positions [p0, p0 + 16) (or fewer at the end): their scores, then the
-// online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
-// the query, the output and the 16 partial dot products stay in registers; `offsets` always
-// names 16 rows (context_offsets pads them). q and the state are in Rows' chunk order.
+// Cache lines for one call of the block kernel to prefetch, spread over its 16 positions.
 struct Lines {
   const char* const* at;
   int64_t count;
 };
+
+// One query head over positions [p0, p0 + 16) (or fewer at the end): their scores, then the
+// online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
+// the query, the output and the 16 partial dot products stay in registers; `offsets` always
+// names 16 rows (context_offsets pads them). q and the state are in Rows' chunk order.
 
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
@@ -226,11 +218,16 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
   const float shift = state.max == -std::numeric_limits<float>::infinity() ? 0.f : state.max;
   const vec16 weights = tidal::exp_nonpositive(scores - shift);
   tidal::store(sums, weight_sums + weights);
-#pragma GCC unroll 16
-  for (int64_t j = 0; j < kLanes; ++j) {  // past the end, weights[j] is 0
+  const auto add_values = [&](int64_t j) {
     const auto* v = values + offsets[j];
     const float w = weights[j];
     for (int c = 0; c < CHUNKS; ++c) acc[j & 1][c] += w * Rows::chunk(v, c);
+  };
+  if (n == kLanes) {
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kLanes; ++j) add_values(j);
+  } else {  // a row's last block: its padded lanes are skipped, as 0 * inf would be NaN
+    for (int64_t j = 0; j < n; ++j) add_values(j);
   }
   for (int c = 0; c < CHUNKS; ++c) {
     tidal::store(state.acc + c * kLanes, acc[0][c]);
@@ -298,8 +295,9 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                               acc.data() + h * state_floats};
       context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
-      for (int64_t p = 0; p < kPrefetchAhead; p += kLanes)
-        fetch_ahead(keys, values, offsets.data(), p, len, row_elements);
+      const int64_t first_lines = future_lines(keys, values, offsets.data(), 0, len,
+                                               row_elements, lines);
+      for (int64_t l = 0; l < first_lines; ++l) __builtin_prefetch(lines[l], 0, 3);
       for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
         const int64_t n = std::min(kLanes, len - p0);
         const int64_t count = future_lines(keys, values, offsets.data(), p0 + kPrefetchAhead,

@@ -1,7 +1,9 @@
-// CPU kernels: the cache write, RMSNorm and rotary embeddings fused into one pass each (torch
-// runs them as 6 and 14 small ops, whose fixed costs dominate at decode batch sizes), and a
-// switch that flushes denormal floats to zero on torch's worker threads. This file also binds
-// the module, with decode attention (cpu_attention.cpp) and the float32 GEMM (cpu_linear.cpp).
+// CPU kernels: the cache write, RMSNorm (alone, or with the residual add before it) and rotary
+// embeddings fused into one pass each (torch runs them as 6, 7 and 14 small ops, whose fixed
+// costs dominate at decode batch sizes), and a switch that flushes denormal floats to zero on
+// torch's worker threads. This file also binds the module, with decode attention
+// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp) and SiLU(gate) * up
+// (cpu_activation.cpp).
 //
 // Kernels are split over tokens with at::parallel_for, on torch's own thread pool. Every index
 // is checked before any is used.

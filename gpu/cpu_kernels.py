@@ -1,5 +1,6 @@
 """Compiled CPU kernels: paged decode attention (``cpu_attention.cpp``), the float32 GEMM of the
-linear layers (``cpu_linear.cpp``), and the KV-cache write, RMSNorm, rotary embeddings and the
+linear layers (``cpu_linear.cpp``), the MLP's SiLU(gate) * up (``cpu_activation.cpp``), and the
+KV-cache write, RMSNorm (with or without the residual add before it), rotary embeddings and the
 flush of denormal floats on torch's worker threads (``cpu_kernels.cpp``).
 
 The sources are compiled on first use with torch's extension builder (a C++ compiler and ninja

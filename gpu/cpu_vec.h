@@ -59,20 +59,20 @@ inline vec16 load(const c10::Half* p) {
 }
 
 // Horizontal sum and maximum as shuffle trees (four rounds), not 16 dependent steps.
-inline vec16 swap_halves(vec16 v, int width) {  // lanes i and i ^ width trade places
+inline vec16 swap_lanes(vec16 v, int width) {  // lanes i and i ^ width trade places
   ivec16 index;
   for (int i = 0; i < 16; ++i) index[i] = i ^ width;
   return __builtin_shuffle(v, index);
 }
 
 inline float sum(vec16 v) {
-  for (int width = 8; width >= 1; width /= 2) v += swap_halves(v, width);
+  for (int width = 8; width >= 1; width /= 2) v += swap_lanes(v, width);
   return v[0];
 }
 
 inline float max(vec16 v) {
   for (int width = 8; width >= 1; width /= 2) {
-    const vec16 w = swap_halves(v, width);
+    const vec16 w = swap_lanes(v, width);
     v = w > v ? w : v;
   }
   return v[0];

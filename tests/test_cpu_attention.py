@@ -58,7 +58,8 @@ def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, grou
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("head_dim,group", [(32, 1), (64, 2), (80, 4), (128, 8), (256, 1)])
+@pytest.mark.parametrize("head_dim,group", [(32, 1), (64, 2), (80, 4), (96, 2), (128, 8),
+                                            (256, 1)])
 def test_bfloat16_decode_rows_match(backend, head_dim, group):
     """bfloat16 caches: head sizes divisible by 32 are read as even/odd pairs (80 is not), so
     every element must come back to its place; the only error is the output's rounding."""
@@ -184,3 +185,20 @@ def test_decode_kernel_rejects_overlapping_outputs_and_empty_kv_heads():
     no_heads = torch.empty(*key_cache.shape[:2], 0, 64)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         attend(torch.empty_like(query), caches=(no_heads, no_heads))
+
+
+def test_decode_kernel_keeps_an_infinite_value_in_a_partial_last_block():
+    """The last block of a row reads 16 cache rows, those past the end with weight 0: an inf
+    in the last real value must give inf, as in torch, not 0 * inf = NaN."""
+    meta = paged_layout([20], [1], 16, seed=3)  # 21 positions: the last block has 5
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
+    last_block = meta.block_table[0, 1]
+    value_cache[last_block, 4, :, 0] = float("inf")  # position 20, the row's last
+    query = torch.randn(1, 2 * KV_HEADS, 64)
+    out = torch.empty_like(query)
+    load_cpu_kernels().decode_attention(out, query, key_cache, value_cache, meta.block_table,
+                                        meta.seq_lens, torch.tensor([0]), torch.tensor([0]),
+                                        0.17)
+    ref = reference_paged_attention(query, key_cache, value_cache, meta, 0.17)
+    assert torch.isinf(ref[0, :, 0]).all()
+    torch.testing.assert_close(out, ref, equal_nan=True)
