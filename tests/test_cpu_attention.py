@@ -61,11 +61,14 @@ def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, grou
 @pytest.mark.parametrize("head_dim,group", [(32, 1), (64, 2), (80, 4), (96, 2), (128, 8),
                                             (256, 1)])
 def test_bfloat16_decode_rows_match(backend, head_dim, group):
-    """bfloat16 caches: head sizes divisible by 32 are read as even/odd pairs (80 is not), so
-    every element must come back to its place; the only error is the output's rounding."""
+    """bfloat16 caches: the kernel reads head sizes divisible by 32 as even/odd pairs (80 is
+    not), so every element must come back to its place; it computes in float32, so its only
+    error is the output's rounding. The torch path's attention runs in bfloat16 itself."""
+    torch.manual_seed(head_dim)
     context = _contexts(16, seed=head_dim)
     got, ref = _run(backend, context, [1] * len(context), 16, head_dim, group, torch.bfloat16)
-    torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=8e-3, rtol=0)
+    atol = 8e-3 if isinstance(backend, CpuAttentionBackend) else 3e-2
+    torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
