@@ -2,8 +2,8 @@
 // embeddings fused into one pass each (torch runs them as 6, 7 and 14 small ops, whose fixed
 // costs dominate at decode batch sizes), and a switch that flushes denormal floats to zero on
 // torch's worker threads. This file also binds the module, with decode attention
-// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp) and SiLU(gate) * up
-// (cpu_activation.cpp).
+// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp), SiLU(gate) * up (cpu_activation.cpp)
+// and the greedy sampler's argmax (cpu_argmax.cpp).
 //
 // Kernels are split over tokens with at::parallel_for, on torch's own thread pool. Every index
 // is checked before any is used.
@@ -233,6 +233,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention takes this head_dim");
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.K) V of decode rows over the paged cache, in one pass");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, first NaN)");
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),
         "SiLU(gate) * up of a fused [..., 2n] gate_up projection");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");

@@ -22,3 +22,6 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
 
 // cpu_activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
 torch::Tensor silu_and_mul(torch::Tensor x);
+
+// cpu_argmax.cpp: each row's argmax of a float32 [rows, width], with torch's max(dim=-1) rules.
+torch::Tensor argmax_rows(torch::Tensor x);
