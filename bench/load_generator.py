@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +36,8 @@ from typing import Any
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from bench.processes import stop_process
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.processes import LaunchedServer
+from bench.server_metrics import parse_metrics, server_side
 
 
 @dataclass
@@ -281,69 +277,12 @@ async def scrape(client: aiohttp.ClientSession) -> dict[str, float] | None:
         async with client.get("/metrics") as resp:
             if resp.status != 200:
                 return None
-            text = await resp.text()
+            return parse_metrics(await resp.text())
     except STREAM_ERRORS:
         return None
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
-    if name not in after:
-        return None
-    return after[name] - before.get(name, 0.0)
-
-
-def _bucket_quantile(before: dict[str, float], after: dict[str, float], name: str,
-                     q: float) -> float | None:
-    """The upper bound of the histogram bucket holding quantile ``q`` of this run."""
-    prefix = name + '_bucket{le="'
-    buckets = sorted((float(k[len(prefix):-2]), v - before.get(k, 0.0))
-                     for k, v in after.items() if k.startswith(prefix))
-    total = buckets[-1][1] if buckets else 0
-    if not total:
-        return None
-    for bound, count in buckets:
-        if count >= q * total:
-            return bound
-    return None
-
-
-def server_side(before: dict[str, float], after: dict[str, float], wall: float
-                ) -> dict[str, Any]:
-    loop_cpu = _delta(before, after, "tidal:event_loop_cpu_seconds_total")
-    process_cpu = _delta(before, after, "process_cpu_seconds_total")
-    name = "tidal:output_delivery_latency_seconds"
-    count = _delta(before, after, name + "_count") or 0
-    total = _delta(before, after, name + "_sum") or 0.0
-    out: dict[str, Any] = {"event_loop_cpu_s": loop_cpu, "process_cpu_s": process_cpu}
-    if loop_cpu is not None:
-        out["event_loop_share_of_wall"] = loop_cpu / wall
-        if process_cpu:
-            out["event_loop_share_of_process_cpu"] = loop_cpu / process_cpu
-    if count:
-        out["sampled_to_sse"] = {
-            "events": count, "mean_ms": total / count * 1e3,
-            "median_ms_upper_bound": _ms(_bucket_quantile(before, after, name, 0.5)),
-            "p99_ms_upper_bound": _ms(_bucket_quantile(before, after, name, 0.99))}
-    return out
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
 
 
 # -- launching a server ---------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def default_model() -> str:
     """The embedded model when tidal ships one, else the random ~30M-parameter Llama."""
     import core
@@ -354,41 +293,6 @@ def default_model() -> str:
     from bench.common import bench_model_dir
 
     return str(bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama"))
-
-
-class LaunchedServer:
-    """A server process on a free loopback port; subclasses change ``command``."""
-
-    def __init__(self, model: str, server_args: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = model
-        self.server_args = list(server_args)
-        self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "app", "serve", "--model", self.model, "--port",
-                str(self.port), *self.server_args]
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {Path(self.log.name).read_text()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:  # refused while starting, or an HTTP error status
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("the server did not come up")
-
-    def stop(self) -> None:
-        stop_process(self.proc, 60)
 
 
 def main(argv: list[str] | None = None) -> None:

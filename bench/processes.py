@@ -1,8 +1,18 @@
-"""Stopping child processes (servers, browsers) the benchmarks and tests start."""
+"""Child processes the benchmarks and tests start and stop: servers on a free loopback port,
+browsers."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> int:
@@ -16,3 +26,45 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchedServer:
+    """A server process on a free loopback port; subclasses change ``command``."""
+
+    def __init__(self, model: str, server_args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.server_args = list(server_args)
+        self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "app", "serve", "--model", self.model, "--port",
+                str(self.port), *self.server_args]
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {Path(self.log.name).read_text()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:  # refused while starting, or an HTTP error status
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the server did not come up")
+
+    def stop(self) -> None:
+        stop_process(self.proc, 60)

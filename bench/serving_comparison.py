@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, bench_model_dir, write_result
-from bench.load_generator import LaunchedServer, RequestClass, Workload, run_classes
+from bench.load_generator import RequestClass, Workload, run_classes
+from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
 

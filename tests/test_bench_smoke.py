@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 import bench.common
 import bench.serving_comparison as harness
 from bench.load_generator import (
-    LaunchedServer,
     RequestClass,
     Workload,
     client_session,
@@ -27,6 +26,7 @@ from bench.load_generator import (
     run_workload,
 )
 from bench.plots import plot_all
+from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts, token_count
 from bench.serving_report import markdown, ratios
 

@@ -11,6 +11,7 @@ import torch
 
 from gpu import layers
 from gpu.cpu_kernels import load_cpu_kernels
+from gpu.sampler import row_argmax
 
 # A fresh interpreter, whose worker threads have never been flushed.
 SCRIPT = """
@@ -122,3 +123,22 @@ def test_silu_and_mul_kernel_keeps_infinities_and_nans():
         got = load_cpu_kernels().silu_and_mul(torch.cat([gate, up]).to(dtype)).float()
         expected = (torch.nn.functional.silu(gate.to(dtype)) * up.to(dtype)).float()
         torch.testing.assert_close(got, expected, equal_nan=True)
+
+@pytest.mark.parametrize("width", [8192, 50257, 7, 16])  # whole vectors, a tail, < and = 16
+def test_row_argmax_kernel_matches_torch_max(width):
+    """The compiled kernel against torch's max(dim=-1) (first maximum, first NaN), on rows of
+    random values, ties, -inf rows, NaN and a strided (sliced) batch."""
+    assert load_cpu_kernels() is not None
+    torch.manual_seed(width)
+    x = torch.randn(9, width + 3)[:, :width]  # rows 3 floats apart beyond their width
+    x[1] = float("-inf")
+    x[2, width // 2] = x[2, width - 1] = x[2, 0] = 50.0  # a tie: index 0 wins
+    x[3, width - 1] = 60.0  # the maximum in the last element (the tail when there is one)
+    x[4, width // 3] = float("nan")
+    x[5, width - 1] = float("nan")
+    x[5, 0] = 70.0
+    x[6] = 0.0
+    x[7, width // 2] = float("inf")
+    got = load_cpu_kernels().argmax_rows(x)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(row_argmax(x), got)

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from bench.processes import stop_process
+from bench.processes import free_port, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -73,14 +73,8 @@ class Server:
             time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(model_dir: Path, log: Path, *extra: str) -> Server:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port),
            "--kv-cache-memory", "8MiB", *extra]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
