@@ -107,8 +107,9 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
 }
 
 // Where each position of a row's context starts in the cache (in elements), padded to a whole
-// number of 16 positions by repeating the last: the block kernel always reads 16 rows (those
-// past the end get weight 0), so its loops unroll with every index known at compile time.
+// number of 16 positions by repeating the last: the block kernel always reads 16 key rows (the
+// padded lanes' scores are then set to -inf), so its loop unrolls with every index known at
+// compile time.
 void context_offsets(const int32_t* blocks, int64_t len, int64_t block_size,
                      int64_t block_stride, int64_t token_stride, std::vector<int64_t>& offsets) {
   offsets.resize((len + kLanes - 1) / kLanes * kLanes);
@@ -179,7 +180,6 @@ struct Lines {
 // online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
 // the query, the output and the 16 partial dot products stay in registers; `offsets` always
 // names 16 rows (context_offsets pads them). q and the state are in Rows' chunk order.
-
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
                   const typename Rows::type* values, const int64_t* offsets, int64_t n,

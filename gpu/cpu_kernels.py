@@ -1,8 +1,8 @@
 """Compiled CPU kernels: paged decode attention (``cpu_attention.cpp``), the float32 GEMM of the
 linear layers (``cpu_linear.cpp``), the MLP's SiLU(gate) * up (``cpu_activation.cpp``), the
-greedy sampler's argmax (``cpu_argmax.cpp``), and the
-KV-cache write, RMSNorm (with or without the residual add before it), rotary embeddings and the
-flush of denormal floats on torch's worker threads (``cpu_kernels.cpp``).
+greedy sampler's argmax (``cpu_argmax.cpp``), and the KV-cache write, RMSNorm (with or without
+the residual add before it), rotary embeddings and the flush of denormal floats on torch's
+worker threads (``cpu_kernels.cpp``).
 
 The sources are compiled on first use with torch's extension builder (a C++ compiler and ninja
 are needed) for this machine's instruction set, and cached under ``TORCH_EXTENSIONS_DIR``; the

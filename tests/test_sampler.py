@@ -383,4 +383,3 @@ def test_row_argmax_takes_the_first_of_tied_maxima():
     x[5, 3] = 2e9
     assert row_argmax(x).tolist() == [17] * 5 + [3]
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
-

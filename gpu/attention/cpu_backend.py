@@ -30,16 +30,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, rows: list[int],
-                out: torch.Tensor) -> None:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
         own context, so rows of any lengths go together."""
         if not (_kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])):
-            return super()._decode(query, key_cache, value_cache, meta, scale, rows, out)
-        requests, query_rows = (meta.decode_rows_cpu if rows == meta.decode_requests else
-                                (torch.tensor(rows),
-                                 torch.tensor([meta.query_start_loc_cpu[i] for i in rows])))
+            return super()._decode(query, key_cache, value_cache, meta, scale, out)
+        requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
                                       meta.seq_lens, requests, query_rows, scale)
 

@@ -34,7 +34,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         out[qsl[-1]:].zero_()  # padding rows; every request's rows are written below
         if meta.decode_requests:
-            self._decode(query, key_cache, value_cache, meta, scale, meta.decode_requests, out)
+            self._decode(query, key_cache, value_cache, meta, scale, out)
         for i in range(meta.num_reqs):
             if qsl[i + 1] - qsl[i] > 1:
                 start, end = qsl[i], qsl[i + 1]
@@ -44,15 +44,15 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, rows: list[int],
-                out: torch.Tensor) -> None:
-        """One batched call per group of rows whose contexts span the same power-of-two
-        number of blocks: every row of a call is gathered and attended up to the call's
-        longest context, so one long request must not stretch all the short ones (with a
-        2,000-token request beside 8 short ones, that made each decode step ~9x slower)."""
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """The step's decode rows (``meta.decode_requests``), in one batched call per group
+        of rows whose contexts span the same power-of-two number of blocks: every row of a
+        call is gathered and attended up to the call's longest context, so one long request
+        must not stretch all the short ones (with a 2,000-token request beside 8 short ones,
+        that made each decode step ~9x slower)."""
         block_size = key_cache.shape[1]
         groups: dict[int, list[int]] = {}
-        for i in rows:
+        for i in meta.decode_requests:
             blocks = -(-meta.seq_lens_cpu[i] // block_size)
             groups.setdefault((blocks - 1).bit_length(), []).append(i)
         for group in groups.values():
