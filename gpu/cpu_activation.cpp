@@ -17,11 +17,10 @@
 #include <algorithm>
 #include <type_traits>
 
+using tidal::kLanes;
 using tidal::vec16;
 
 namespace {
-
-constexpr int64_t kLanes = 16;
 
 inline vec16 silu(vec16 x) {
   const vec16 e = tidal::exp_nonpositive(x < 0 ? x : -x);

@@ -13,11 +13,10 @@
 #include <cstdint>
 
 using tidal::ivec16;
+using tidal::kLanes;
 using tidal::vec16;
 
 namespace {
-
-constexpr int64_t kLanes = 16;
 
 int64_t first_nan(const float* row, int64_t width) {
   for (int64_t j = 0; j < width; ++j)

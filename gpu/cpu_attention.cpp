@@ -41,11 +41,11 @@
 #include <limits>
 #include <vector>
 
+using tidal::kLanes;
 using tidal::vec16;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // positions attended together: one vector of scores per head
 constexpr int64_t kPrefetchAhead = kLanes;  // positions between a prefetch and its use
 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,

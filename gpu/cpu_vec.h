@@ -11,6 +11,8 @@
 
 namespace tidal {
 
+constexpr int64_t kLanes = 16;  // floats in a vec16
+
 // may_alias: vectors are read from and written to float buffers; aligned(4): any float address.
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
