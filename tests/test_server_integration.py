@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from bench.processes import free_port, stop_process
+from bench.server_metrics import parse_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -52,13 +53,7 @@ class Server:
         return resp.json()
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
 
     def wait_metrics(self, check: Any, what: str, timeout: float = 60.0) -> dict[str, float]:
         """Poll /metrics until ``check(values)`` holds (the engine applies aborts within a
