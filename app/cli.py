@@ -186,6 +186,8 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
 async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> None:
     from hypercorn.asyncio import serve
 
+    from core.heap import freeze_startup_objects
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -199,6 +201,7 @@ async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) 
         logger.info("shutting down")
         await engine.shutdown()
 
+    freeze_startup_objects()  # the model, modules and app live as long as the process
     await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
 
 
