@@ -5,7 +5,7 @@
 // kept online (a running maximum and sum per head, the partial output rescaled when the maximum
 // grows), so there is no scores buffer and no separate softmax. Sixteen dot products at a time
 // are summed across their lanes together (tidal::sum_each) into one vector of scores. Rows are
-// split over torch's threads with at::parallel_for.
+// split over torch's threads with tidal::parallel_items.
 //
 // While a row works on 16 positions, the cache lines of its next 16 are prefetched a few at a
 // time, spread over the block kernel's loop: asked for all at once, they filled the core's
@@ -31,10 +31,10 @@
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
 #include "cpu_kernels.h"
+#include "cpu_parallel.h"
 #include "cpu_vec.h"
 
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -277,13 +277,13 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
 
   // A task is one row. Every head takes its turn on each 16 positions before the next 16, so
   // the positions' whole cache rows (all KV heads) are read together, front to back.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  tidal::parallel_items(rows, [&](tidal::ItemSource& items) {
     const int64_t state_floats = 2 * dim + kLanes;
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
     std::vector<int64_t> offsets;
     std::vector<const char*> lines(2 * kLanes * ((row_elements * sizeof(scalar_t) + 63) / 64));
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i; (i = items.next()) >= 0;) {
       const int64_t r = req[i], len = lens[r];
       const scalar_t* qi = q + qrow[i] * query.stride(0);
       for (int64_t h = 0; h < heads; ++h)

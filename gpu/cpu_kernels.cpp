@@ -12,14 +12,19 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "cpu_parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
 #define TIDAL_HAS_MXCSR 1
 #endif
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <thread>
 
 // float32, float64, bfloat16 and float16: the element type is scalar_t inside the lambda.
 #define TIDAL_DISPATCH(TYPE, NAME, ...) \
@@ -217,6 +222,30 @@ bool set_thread_flush(bool on) {
 #endif
 }
 
+// Which thread of torch's pool did each of n items of tidal::parallel_items, and how many times
+// each was done: [n, 2] int64 (thread, times). An item takes item_ms, and pool thread `stalled`
+// sleeps stall_ms on its first. The tests check with it that a held-up thread's share goes to
+// the others.
+torch::Tensor parallel_items_probe(int64_t n, int64_t item_ms, int64_t stalled,
+                                   int64_t stall_ms) {
+  auto result = torch::zeros({n, 2}, torch::kInt64);
+  int64_t* rows = result.data_ptr<int64_t>();
+  std::unique_ptr<std::atomic<int64_t>[]> times(new std::atomic<int64_t>[n]);
+  for (int64_t i = 0; i < n; ++i) times[i].store(0);
+  tidal::parallel_items(n, [&](tidal::ItemSource& items) {
+    const int64_t thread = at::get_thread_num();
+    bool first = true;
+    for (int64_t i; (i = items.next()) >= 0; first = false) {
+      const bool held = first && thread == stalled;
+      std::this_thread::sleep_for(std::chrono::milliseconds(held ? stall_ms : item_ms));
+      rows[2 * i] = thread;
+      times[i].fetch_add(1);
+    }
+  });
+  for (int64_t i = 0; i < n; ++i) rows[2 * i + 1] = times[i].load();
+  return result;
+}
+
 // The two long kernels (milliseconds a call) let go of the GIL, as torch's own ops do, so the
 // event loop can stream tokens and take requests while a step computes: at concurrency 32 that
 // gave 1,385-1,416 output tok/s against 1,338-1,346 with the GIL held.
@@ -239,4 +268,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
   m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>(),
         "y = x W^T + b over packed panels (float32)");
+  m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
+        "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
 }

@@ -14,14 +14,16 @@
 // W^T, row k contiguous (zero columns pad the last panel). The microkernel keeps an MR x 32
 // block of y (MR <= 8) in 16 vector registers and, for each k, adds x[m, k] times the panel's
 // row k. Rows of x are taken 128 at a time so that chunk stays in cache across the panels; the
-// panels of a chunk are split over torch's threads. Sums run in k order in float32 (FMA).
+// panels of a chunk are split over torch's threads by tidal::parallel_items (a thread that
+// finishes its run of panels takes the last ones of a thread held up). At 32 rows that made a
+// pass over a 30M Llama's weights 6.5 ms against 7.1, and 7.7 against 8.9 beside a process
+// busy 50 us in every 500. Sums run in k order in float32 (FMA).
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
 #include "cpu_kernels.h"
+#include "cpu_parallel.h"
 #include "cpu_vec.h"
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -141,8 +143,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
   float* yp = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, M - m0);
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      multiply_chunk(xp, x.stride(0), w, K, N, b, yp, m0, rows, p0, p1, P);
+    tidal::parallel_items(P, [&](tidal::ItemSource& panels) {
+      for (int64_t p; (p = panels.next()) >= 0;)
+        multiply_chunk(xp, x.stride(0), w, K, N, b, yp, m0, rows, p, p + 1, P);
     });
   }
   return y;

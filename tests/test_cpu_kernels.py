@@ -142,3 +142,17 @@ def test_row_argmax_kernel_matches_torch_max(width):
     got = load_cpu_kernels().argmax_rows(x)
     assert torch.equal(got, x.max(dim=-1).indices)
     assert torch.equal(row_argmax(x), got)
+
+
+def test_parallel_items_gives_a_held_up_threads_share_to_the_others():
+    """The split under the GEMM and decode attention: every item is done exactly once, and a
+    thread held up mid-region (here asleep on its first item) keeps only that item; the rest
+    of its share goes to the threads that are free."""
+    probe, threads = load_cpu_kernels().parallel_items_probe, torch.get_num_threads()
+    owner, times = probe(64, 1, -1, 0).unbind(1)  # items of 1 ms, no thread held up
+    assert torch.equal(times, torch.ones(64, dtype=torch.long))
+    assert set(owner.tolist()) == set(range(min(threads, 64)))
+    owner, times = probe(64, 1, 1, 300).unbind(1)  # thread 1 held 300 ms on its first item
+    assert torch.equal(times, torch.ones(64, dtype=torch.long))
+    if threads >= 2:
+        assert int((owner == 1).sum()) == 1
