@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
 from bench.processes import LaunchedServer
@@ -137,7 +138,7 @@ async def one_request(client: aiohttp.ClientSession, model: str, prompt: Prompt,
                 if data == b"[DONE]":
                     finished = True
                     break
-                event = json.loads(data)
+                event = orjson.loads(data)
                 if "error" in event:
                     result.error = _error_text(event["error"])
                     return result
