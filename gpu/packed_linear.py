@@ -29,6 +29,10 @@ from gpu.cpu_kernels import load_cpu_kernels
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# From this many rows (long prefill chunks) the float32 panels are laid out plainly again for
+# MKL's sgemm, which then outruns the panel GEMM: for [rows, 512] x [512, 2816], 16.2 against
+# 18.8 ms at 2,048 rows and 9.1 against 10.1 at 1,024 (the copy included); even at 512.
+MKL_MIN_ROWS = 1024
 
 
 class PackedLinear(nn.Module):
@@ -53,11 +57,22 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                       [None], "")
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= MKL_MIN_ROWS:
+            return self._mkl_linear(rows).view(*x.shape[:-1], self.out_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()  # the kernel reads each row as one run of floats
         y = load_cpu_kernels().packed_linear(rows, self.packed_weight, self.out_features,
                                              self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _mkl_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows W^T + b`` by MKL, from a plain copy of ``W^T`` made from the panels (a
+        memory-bound copy, small beside the multiply at this many rows)."""
+        panels = self.packed_weight  # [ceil(N / 32), K, 32]: columns 32p..32p+31 of W^T
+        w_t = panels.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features]
+        if self.bias is None:
+            return torch.mm(rows, w_t)
+        return torch.addmm(self.bias, rows, w_t)
 
     def extra_repr(self) -> str:
         layout = "panels" if self.own_gemm else "oneDNN"

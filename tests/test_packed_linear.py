@@ -8,15 +8,16 @@ import torch
 from torch import nn
 
 from gpu.cpu_kernels import load_cpu_kernels
-from gpu.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from gpu.packed_linear import MKL_MIN_ROWS, PackedLinear, can_pack, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32),
                                 reason="torch built without oneDNN")
 
 
-# rows: one, a partial row block, whole blocks, and past a 128-row chunk with a remainder;
-# out_features: a partial last panel (200 = 6 x 32 + 8), and fewer than one panel.
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+# rows: one, a partial row block, whole blocks, past a 128-row chunk with a remainder, and
+# enough for MKL over the panels laid out plainly again; out_features: a partial last panel
+# (200 = 6 x 32 + 8), and fewer than one panel.
+@pytest.mark.parametrize("rows", [1, 7, 64, 300, MKL_MIN_ROWS + 3])
 @pytest.mark.parametrize("out_features", [200, 5])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_linear_in_float32(rows: int, out_features: int,
