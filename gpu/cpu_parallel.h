@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -79,6 +80,7 @@ class ItemSource {
 template <typename Work>
 void parallel_items(int64_t n, const Work& work) {
   if (n <= 0) return;
+  TORCH_CHECK(n < (int64_t{1} << 31), "parallel_items: ", n, " items, at most 2^31 - 1");
   const int64_t threads =
       at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   std::unique_ptr<Share[]> shares(new Share[threads]);
