@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most sequences in one batch")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int,
                        default=None,
-                       help="most tokens (prefill chunks + decodes) in one step (default: 256 "
+                       help="most tokens (prefill chunks + decodes) in one step (default: 192 "
                        "on CPU, 2048 on GPU)")
     serve.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
