@@ -63,7 +63,9 @@ def _check_report(report: dict[str, Any], requests: int, prompt_len: int | None)
     if prompt_len is not None:
         assert report["prompt_tokens_mean"] == prompt_len
     assert report["ttft"]["median_ms"] > 0
-    assert report["itl"]["p99_ms"] >= report["itl"]["median_ms"] > 0
+    itl = report["itl"]  # None when a stream's deltas merged into one event (a slow client)
+    if itl is not None:
+        assert itl["p99_ms"] >= itl["median_ms"] > 0
     assert report["e2e"]["median_ms"] >= report["ttft"]["median_ms"]
     assert report["output_token_throughput_per_s"] > 0
 
