@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from bench.plots import plot_all
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts, token_count
 from bench.serving_report import markdown, ratios
+from tests.live_server import running_server
 
 OUT = 6  # output tokens per request
 
@@ -47,13 +49,9 @@ def tokenizer(tiny_model: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Any:
-    srv = LaunchedServer(str(tiny_model), ["--kv-cache-memory", "8MiB"])
-    try:
-        srv.wait_ready(300)
+def server(tiny_model: Path) -> Iterator[LaunchedServer]:
+    with running_server(tiny_model, "--kv-cache-memory", "8MiB") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _check_report(report: dict[str, Any], requests: int, prompt_len: int | None) -> None:

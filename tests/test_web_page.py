@@ -20,15 +20,8 @@ import pytest
 import websockets
 
 from bench.processes import stop_process
-from tests.test_websocket import (
-    LONG,
-    aborted,
-    build_chat_model,
-    running_server,
-    turn_frames,
-    wait_until_idle,
-    ws_url,
-)
+from tests.live_server import aborted, build_chat_model, running_server, wait_until_idle
+from tests.test_websocket_server import LONG, turn_frames, ws_url
 
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = pytest.mark.timeout(180)
@@ -163,8 +156,8 @@ LAST_REPLY = "[...document.querySelectorAll('.msg.assistant')].pop()"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("page-server")
-    with running_server(build_chat_model(tmp / "model"), tmp / "server.log") as base:
-        yield base
+    with running_server(build_chat_model(tmp / "model"), "--kv-cache-memory", "64MiB") as srv:
+        yield srv.url
 
 
 @contextlib.asynccontextmanager

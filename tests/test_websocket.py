@@ -1,28 +1,15 @@
-"""The websocket chat at /v1/chat/ws.
-
-The first tests drive the handler in-process against a scripted engine, so the order of
-events (a cancel frame, the socket closing) is exact. The rest start the real server process
-on a tiny model and talk to it with the ``websockets`` client.
-"""
+"""The websocket chat at /v1/chat/ws, its handler driven in-process against a scripted engine,
+so the order of events (a cancel frame, the socket closing) is exact (the real server process:
+``test_websocket_server.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import websockets
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
@@ -31,7 +18,6 @@ from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
 from app.state import ServerSettings, ServerState
 from app.websocket import chat_page, chat_websocket
-from bench.processes import stop_process
 from core.async_engine import EngineDeadError
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
@@ -39,7 +25,6 @@ from core.sampling_params import SamplingParams
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
 WS_PATH = "/v1/chat/ws"
 HELLO = [{"role": "user", "content": "Hello there"}]
 
@@ -274,213 +259,3 @@ def test_scripted_page_is_served(tokenizer: Any) -> None:
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
     assert WS_PATH in resp.text and "tiny" in resp.text
     assert "http://" not in resp.text and "https://" not in resp.text  # nothing from the net
-
-
-# -- the real server process -------------------------------------------------------------------
-LONG = 1500  # more tokens than a reply can produce before a cancel lands
-LONG_REQUEST = {"messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(model_dir: Path, log_path: Path, *extra: str,
-                   timeout: float = 300.0) -> Iterator[str]:
-    """``python -m app serve`` on a free port; yields its base URL once /health answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port",
-           str(port), "--kv-cache-memory", "64MiB", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n"
-                                   + log_path.read_text()[-4000:])
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy:\n"
-                                   + log_path.read_text()[-4000:])
-            time.sleep(0.2)
-        yield base
-    finally:
-        stop_process(proc, 30)
-
-
-def build_chat_model(path: Path) -> Path:
-    """A tiny random Llama with room for ``LONG`` generated tokens."""
-    from gpu.random_model import build_model_dir
-    return build_model_dir(path, "llama", max_position_embeddings=2048)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("ws-server")
-    with running_server(build_chat_model(tmp / "model"), tmp / "server.log") as base:
-        yield base
-
-
-def metrics(base: str) -> dict[str, float]:
-    """``/metrics`` samples by name with labels, e.g.
-    ``tidal:request_success_total{finished_reason="abort"}``."""
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        match = re.fullmatch(r"(tidal:\S+?(?:\{[^}]*\})?) (\S+)", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
-def wait_until_idle(base: str, timeout: float = 60.0) -> dict[str, float]:
-    """Poll /metrics until no request runs or waits and no KV block is in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(base)
-        if (m["tidal:num_requests_running"] == m["tidal:num_requests_waiting"] == 0
-                and m["tidal:kv_cache_used_blocks"] == 0):
-            return m
-        assert time.monotonic() < deadline, f"the engine is still busy: {m}"
-        time.sleep(0.05)
-
-
-def aborted(m: dict[str, float]) -> float:
-    return m.get('tidal:request_success_total{finished_reason="abort"}', 0.0)
-
-
-def finished(m: dict[str, float]) -> float:
-    return sum(v for k, v in m.items() if k.startswith("tidal:request_success_total{"))
-
-
-def ws_url(base: str) -> str:
-    return base.replace("http://", "ws://") + WS_PATH
-
-
-async def recv(ws: Any) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 120))
-
-
-async def turn_frames(ws: Any) -> tuple[list[dict], dict]:
-    deltas = []
-    while True:
-        frame = await recv(ws)
-        if frame["type"] != "delta":
-            return deltas, frame
-        deltas.append(frame)
-
-
-def http_chat(base: str, body: dict) -> dict:
-    request = urllib.request.Request(base + "/v1/chat/completions",
-                                     data=json.dumps(body).encode(), method="POST")
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
-@pytest.mark.integration
-async def test_multi_turn_on_one_socket_matches_http_greedy(server: str) -> None:
-    before = wait_until_idle(server)
-    messages = list(HELLO)
-    params = {"max_tokens": 12, "temperature": 0}
-    generated = 0
-    async with websockets.connect(ws_url(server)) as ws:
-        ids = set()
-        for follow_up in ("Tell me more.", "And then?"):
-            await ws.send(json.dumps({"messages": messages, **params}))
-            deltas, done = await turn_frames(ws)
-            assert done["type"] == "done", done
-            assert {d["id"] for d in deltas} == {done["id"]} and done["id"] not in ids
-            ids.add(done["id"])
-            text = "".join(d["text"] for d in deltas)
-            assert text and done["usage"]["completion_tokens"] > 0
-            assert sum(d["num_tokens"] for d in deltas) == done["usage"]["completion_tokens"]
-            reference = http_chat(server, {"model": done["model"], "messages": messages,
-                                           **params})
-            assert text == reference["choices"][0]["message"]["content"]
-            assert done["finish_reason"] == reference["choices"][0]["finish_reason"]
-            assert done["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
-            assert done["usage"]["completion_tokens"] == \
-                reference["usage"]["completion_tokens"]
-            generated += done["usage"]["completion_tokens"]
-            messages += [{"role": "assistant", "content": text},
-                         {"role": "user", "content": follow_up}]
-    # Websocket turns are counted in /metrics like HTTP requests (each turn ran twice).
-    after = wait_until_idle(server)
-    assert finished(after) == finished(before) + 4
-    assert after["tidal:generation_tokens_total"] == \
-        before["tidal:generation_tokens_total"] + 2 * generated
-
-
-@pytest.mark.integration
-async def test_cancel_frame_aborts_the_turn_and_frees_its_blocks(server: str) -> None:
-    before = aborted(wait_until_idle(server))
-    async with websockets.connect(ws_url(server)) as ws:
-        await ws.send(json.dumps(LONG_REQUEST))
-        first = await recv(ws)
-        assert first["type"] == "delta", first
-        await ws.send(json.dumps({"messages": HELLO}))  # one turn at a time
-        streamed, busy = await turn_frames(ws)  # the reply goes on streaming meanwhile
-        assert busy["type"] == "error" and busy["error"]["code"] == "turn_in_flight", busy
-        assert "id" not in busy
-        await ws.send(json.dumps({"type": "cancel"}))
-        deltas, done = await turn_frames(ws)
-        assert done["type"] == "done" and done["id"] == first["id"], done
-        assert done["finish_reason"] == "abort"
-        assert {d["id"] for d in streamed + deltas} <= {first["id"]}
-        generated = sum(d["num_tokens"] for d in [first, *streamed, *deltas])
-        assert generated == done["usage"]["completion_tokens"] < LONG
-        m = wait_until_idle(server)
-        assert aborted(m) == before + 1
-        # The socket carries on with the next turn.
-        await ws.send(json.dumps({"messages": HELLO, "max_tokens": 3, "ignore_eos": True}))
-        deltas, done = await turn_frames(ws)
-        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 3
-    assert aborted(wait_until_idle(server)) == before + 1
-
-
-@pytest.mark.integration
-async def test_closing_the_socket_mid_turn_aborts_it(server: str) -> None:
-    before = aborted(wait_until_idle(server))
-    for _ in range(3):
-        async with websockets.connect(ws_url(server)) as ws:
-            await ws.send(json.dumps(LONG_REQUEST))
-            assert (await recv(ws))["type"] == "delta"
-    # Each request was aborted, not run to its end: the handler saw no finish reason.
-    assert aborted(wait_until_idle(server)) == before + 3
-
-
-@pytest.mark.integration
-async def test_bad_requests_get_error_frames_and_the_socket_keeps_working(server: str
-                                                                           ) -> None:
-    bad = [
-        ("{oops", None, 400),
-        (json.dumps({"messages": []}), "messages", 400),
-        (json.dumps({"messages": HELLO, "top_p": 7}), "top_p", 400),
-        (json.dumps({"messages": [{"role": "user", "content": "hi " * 3000}]}), "messages",
-         400),
-        (json.dumps({"messages": HELLO, "model": "no-such-model"}), "model", 404),
-    ]
-    async with websockets.connect(ws_url(server)) as ws:
-        for frame, param, status in bad:
-            await ws.send(frame)
-            error = await recv(ws)
-            assert error["type"] == "error", (frame, error)
-            assert error["error"]["param"] == param and error["error"]["message"]
-            if status == 404:
-                assert error["error"]["code"] == "model_not_found"
-            await ws.send(json.dumps({"messages": HELLO, "max_tokens": 2, "ignore_eos": True}))
-            deltas, done = await turn_frames(ws)
-            assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
-    with urllib.request.urlopen(server + "/health", timeout=10) as resp:
-        assert resp.status == 200
-    wait_until_idle(server)

@@ -1,0 +1,158 @@
+"""The websocket chat at /v1/chat/ws of the real server process on a tiny model, talked to
+with the ``websockets`` client (the handler against a scripted engine: ``test_websocket.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import websockets
+
+from tests.live_server import (
+    aborted,
+    build_chat_model,
+    finished,
+    running_server,
+    wait_until_idle,
+)
+from tests.test_websocket import HELLO, WS_PATH
+
+# A stuck stream must fail its test, not stall the suite.
+pytestmark = pytest.mark.timeout(180)
+
+LONG = 1500  # more tokens than a reply can produce before a cancel lands
+LONG_REQUEST = {"messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("ws-server")
+    with running_server(build_chat_model(tmp / "model"), "--kv-cache-memory", "64MiB") as srv:
+        yield srv.url
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + WS_PATH
+
+
+async def recv(ws: Any) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 120))
+
+
+async def turn_frames(ws: Any) -> tuple[list[dict], dict]:
+    deltas = []
+    while True:
+        frame = await recv(ws)
+        if frame["type"] != "delta":
+            return deltas, frame
+        deltas.append(frame)
+
+
+def http_chat(base: str, body: dict) -> dict:
+    request = urllib.request.Request(base + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.integration
+async def test_multi_turn_on_one_socket_matches_http_greedy(server: str) -> None:
+    before = wait_until_idle(server)
+    messages = list(HELLO)
+    params = {"max_tokens": 12, "temperature": 0}
+    generated = 0
+    async with websockets.connect(ws_url(server)) as ws:
+        ids = set()
+        for follow_up in ("Tell me more.", "And then?"):
+            await ws.send(json.dumps({"messages": messages, **params}))
+            deltas, done = await turn_frames(ws)
+            assert done["type"] == "done", done
+            assert {d["id"] for d in deltas} == {done["id"]} and done["id"] not in ids
+            ids.add(done["id"])
+            text = "".join(d["text"] for d in deltas)
+            assert text and done["usage"]["completion_tokens"] > 0
+            assert sum(d["num_tokens"] for d in deltas) == done["usage"]["completion_tokens"]
+            reference = http_chat(server, {"model": done["model"], "messages": messages,
+                                           **params})
+            assert text == reference["choices"][0]["message"]["content"]
+            assert done["finish_reason"] == reference["choices"][0]["finish_reason"]
+            assert done["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+            assert done["usage"]["completion_tokens"] == \
+                reference["usage"]["completion_tokens"]
+            generated += done["usage"]["completion_tokens"]
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": follow_up}]
+    # Websocket turns are counted in /metrics like HTTP requests (each turn ran twice).
+    after = wait_until_idle(server)
+    assert finished(after) == finished(before) + 4
+    assert after["tidal:generation_tokens_total"] == \
+        before["tidal:generation_tokens_total"] + 2 * generated
+
+
+@pytest.mark.integration
+async def test_cancel_frame_aborts_the_turn_and_frees_its_blocks(server: str) -> None:
+    before = aborted(wait_until_idle(server))
+    async with websockets.connect(ws_url(server)) as ws:
+        await ws.send(json.dumps(LONG_REQUEST))
+        first = await recv(ws)
+        assert first["type"] == "delta", first
+        await ws.send(json.dumps({"messages": HELLO}))  # one turn at a time
+        streamed, busy = await turn_frames(ws)  # the reply goes on streaming meanwhile
+        assert busy["type"] == "error" and busy["error"]["code"] == "turn_in_flight", busy
+        assert "id" not in busy
+        await ws.send(json.dumps({"type": "cancel"}))
+        deltas, done = await turn_frames(ws)
+        assert done["type"] == "done" and done["id"] == first["id"], done
+        assert done["finish_reason"] == "abort"
+        assert {d["id"] for d in streamed + deltas} <= {first["id"]}
+        generated = sum(d["num_tokens"] for d in [first, *streamed, *deltas])
+        assert generated == done["usage"]["completion_tokens"] < LONG
+        m = wait_until_idle(server)
+        assert aborted(m) == before + 1
+        # The socket carries on with the next turn.
+        await ws.send(json.dumps({"messages": HELLO, "max_tokens": 3, "ignore_eos": True}))
+        deltas, done = await turn_frames(ws)
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 3
+    assert aborted(wait_until_idle(server)) == before + 1
+
+
+@pytest.mark.integration
+async def test_closing_the_socket_mid_turn_aborts_it(server: str) -> None:
+    before = aborted(wait_until_idle(server))
+    for _ in range(3):
+        async with websockets.connect(ws_url(server)) as ws:
+            await ws.send(json.dumps(LONG_REQUEST))
+            assert (await recv(ws))["type"] == "delta"
+    # Each request was aborted, not run to its end: the handler saw no finish reason.
+    assert aborted(wait_until_idle(server)) == before + 3
+
+
+@pytest.mark.integration
+async def test_bad_requests_get_error_frames_and_the_socket_keeps_working(server: str
+                                                                           ) -> None:
+    bad = [
+        ("{oops", None, 400),
+        (json.dumps({"messages": []}), "messages", 400),
+        (json.dumps({"messages": HELLO, "top_p": 7}), "top_p", 400),
+        (json.dumps({"messages": [{"role": "user", "content": "hi " * 3000}]}), "messages",
+         400),
+        (json.dumps({"messages": HELLO, "model": "no-such-model"}), "model", 404),
+    ]
+    async with websockets.connect(ws_url(server)) as ws:
+        for frame, param, status in bad:
+            await ws.send(frame)
+            error = await recv(ws)
+            assert error["type"] == "error", (frame, error)
+            assert error["error"]["param"] == param and error["error"]["message"]
+            if status == 404:
+                assert error["error"]["code"] == "model_not_found"
+            await ws.send(json.dumps({"messages": HELLO, "max_tokens": 2, "ignore_eos": True}))
+            deltas, done = await turn_frames(ws)
+            assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
+    with urllib.request.urlopen(server + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    wait_until_idle(server)
