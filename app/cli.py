@@ -186,7 +186,7 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
 async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> None:
     from hypercorn.asyncio import serve
 
-    from core.heap import freeze_startup_objects
+    from core.heap import freeze_startup_objects  # core's package imports torch
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -82,25 +82,23 @@ constexpr Microkernel kMicrokernels[kRowBlock + 1] = {
     nullptr, microkernel<1>, microkernel<2>, microkernel<3>, microkernel<4>,
     microkernel<5>, microkernel<6>, microkernel<7>, microkernel<8>};
 
-// Rows [m0, m0 + rows) of y, over panels [p0, p1).
-void multiply_chunk(const float* x, int64_t ldx, const float* panels, int64_t K, int64_t N,
-                    const float* bias, float* y, int64_t m0, int64_t rows, int64_t p0,
-                    int64_t p1, int64_t num_panels) {
+// Rows [m0, m0 + rows) of y, over panel p.
+void multiply_panel(const float* x, int64_t ldx, const float* panels, int64_t K, int64_t N,
+                    const float* bias, float* y, int64_t m0, int64_t rows, int64_t p,
+                    int64_t num_panels) {
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t panel_bytes = K * kPanel * sizeof(float);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-    const float* panel = panels + p * K * kPanel;
-    // The next panel is fetched a slice per row block, spread over that block's k loop.
-    const char* next = reinterpret_cast<const char*>(panels + std::min(p + 1, num_panels - 1) *
-                                                                  K * kPanel);
-    for (int64_t j = 0; j < blocks; ++j) {
-      const int64_t m = m0 + j * kRowBlock;
-      const int mr = static_cast<int>(std::min(kRowBlock, m0 + rows - m));
-      const Prefetch pf{next + panel_bytes * j / blocks, blocks};
-      kMicrokernels[mr](x + m * ldx, ldx, panel, K, y + m * N + n0, N, cols,
-                        bias == nullptr ? nullptr : bias + n0, pf);
-    }
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+  const float* panel = panels + p * K * kPanel;
+  // The next panel is fetched a slice per row block, spread over that block's k loop.
+  const char* next =
+      reinterpret_cast<const char*>(panels + std::min(p + 1, num_panels - 1) * K * kPanel);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t m = m0 + j * kRowBlock;
+    const int mr = static_cast<int>(std::min(kRowBlock, m0 + rows - m));
+    const Prefetch pf{next + panel_bytes * j / blocks, blocks};
+    kMicrokernels[mr](x + m * ldx, ldx, panel, K, y + m * N + n0, N, cols,
+                      bias == nullptr ? nullptr : bias + n0, pf);
   }
 }
 
@@ -145,7 +143,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
     const int64_t rows = std::min(kRowChunk, M - m0);
     tidal::parallel_items(P, [&](tidal::ItemSource& panels) {
       for (int64_t p; (p = panels.next()) >= 0;)
-        multiply_chunk(xp, x.stride(0), w, K, N, b, yp, m0, rows, p, p + 1, P);
+        multiply_panel(xp, x.stride(0), w, K, N, b, yp, m0, rows, p, P);
     });
   }
   return y;

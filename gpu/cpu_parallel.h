@@ -10,7 +10,9 @@
 // parallel_items keeps the same contiguous shares, each taken in order by its thread (which its
 // prefetching counts on), but a thread that finishes its own share goes on taking items from
 // the far end of the others': a preempted thread delays the end of the region by at most the
-// item it is working on. Items are numbered below 2^31.
+// item it is working on. Items taken from the far end go backwards, so a kernel that prefetches
+// the next item's data fetches nothing useful for them (stealing is the rare case). Items are
+// numbered below 2^31.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -5,12 +5,13 @@ blocked layout each time; for the few rows of a decode step that costs about as 
 multiply. So every weight is packed once:
 
 - float32, where the C++ kernels are built: into the column panels of tidal's own GEMM
-  (``cpu_linear.cpp``), which overlaps each weight's trip from memory with the arithmetic. Over
-  a 30M Llama's 33 weights on a 2-core AVX-512 host, one pass took (ms, oneDNN packed against
-  ours): 4.6 vs 2.8 at 1 row, 5.4 vs 3.3 at 8, 10.5 vs 7.0 at 32, 15.5 vs 11.8 at 64, and
-  even at 128. From 512 rows up (prefill chunks) oneDNN and MKL pull 10-15 % ahead; from
-  ``MKL_MIN_ROWS`` rows the panels are copied back to a plain ``W^T`` for MKL's sgemm, which
-  keeps one copy of the weights and costs a copy far smaller than the multiply.
+  (``cpu_linear.cpp``), which overlaps each weight's trip from memory with the arithmetic.
+  Over a 30M Llama's 33 weights on a 2-core AVX-512 host, one pass took (ms, oneDNN packed
+  against ours): 4.6 vs 2.8 at 1 row, 5.4 vs 3.3 at 8, 10.5 vs 7.0 at 32, 15.5 vs 11.8 at 64,
+  and even at 128 (at 32 rows ours is 6.5 ms since the work split of ``cpu_linear.cpp``). From
+  512 rows up (prefill chunks) oneDNN and MKL pull 10-15 % ahead; from ``MKL_MIN_ROWS`` rows
+  the panels are copied back to a plain ``W^T`` for MKL's sgemm, which keeps one copy of the
+  weights and costs a copy far smaller than the multiply.
 - otherwise (bfloat16, or no kernels): for oneDNN, which against plain ``F.linear`` gave
   (GFLOP/s) 223 vs 117 at 16 rows, 278 vs 177 at 32, 328 vs 258 at 64 and parity at 2,048.
 

@@ -54,14 +54,18 @@ def server(tiny_model: Path) -> Iterator[LaunchedServer]:
         yield srv
 
 
-def _check_report(report: dict[str, Any], requests: int, prompt_len: int | None) -> None:
+def _check_report(report: dict[str, Any], requests: int, prompt_len: int | None,
+                  itl_required: bool = True) -> None:
+    """``itl_required=False`` for a lone stream whose deltas may all merge into one event
+    (the server merges them when the client falls behind), leaving no interval to time."""
     assert report["failed"] == 0, report["errors"]
     assert report["completed"] == requests
     assert report["output_tokens_per_request"] == {"min": OUT, "max": OUT, "mean": OUT}
     if prompt_len is not None:
         assert report["prompt_tokens_mean"] == prompt_len
     assert report["ttft"]["median_ms"] > 0
-    itl = report["itl"]  # None when a stream's deltas merged into one event (a slow client)
+    itl = report["itl"]
+    assert itl is not None or not itl_required
     if itl is not None:
         assert itl["p99_ms"] >= itl["median_ms"] > 0
     assert report["e2e"]["median_ms"] >= report["ttft"]["median_ms"]
@@ -83,7 +87,7 @@ def test_text_prompts_and_classes_against_tidal(server: Any, tokenizer: Any) -> 
                "long": RequestClass(Workload(300, OUT, 1, concurrency=1), list(long))}
     report = asyncio.run(run_classes(server.url, server.model, classes))
     _check_report(report["classes"]["short"], 3, 10)
-    _check_report(report["classes"]["long"], 1, 300)
+    _check_report(report["classes"]["long"], 1, 300, itl_required=False)
 
 
 def test_text_prompts_have_exact_lengths(tokenizer: Any) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from gpu import layers
+from gpu import layers, sampler
 from gpu.cpu_kernels import load_cpu_kernels
 from gpu.sampler import row_argmax
 
@@ -124,6 +124,7 @@ def test_silu_and_mul_kernel_keeps_infinities_and_nans():
         expected = (torch.nn.functional.silu(gate.to(dtype)) * up.to(dtype)).float()
         torch.testing.assert_close(got, expected, equal_nan=True)
 
+
 @pytest.mark.parametrize("width", [8192, 50257, 7, 16])  # whole vectors, a tail, < and = 16
 def test_row_argmax_kernel_matches_torch_max(width):
     """The compiled kernel against torch's max(dim=-1) (first maximum, first NaN), on rows of
@@ -141,7 +142,22 @@ def test_row_argmax_kernel_matches_torch_max(width):
     x[7, width // 2] = float("inf")
     got = load_cpu_kernels().argmax_rows(x)
     assert torch.equal(got, x.max(dim=-1).indices)
-    assert torch.equal(row_argmax(x), got)
+
+
+def test_row_argmax_takes_the_kernel_for_float32_rows_only(monkeypatch):
+    kernels, calls = load_cpu_kernels(), []
+
+    class Recording:
+        def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(tuple(x.shape))
+            return kernels.argmax_rows(x)
+
+    monkeypatch.setattr(sampler, "cpu_kernels_for", lambda x: Recording())
+    x = torch.randn(4, 100)
+    assert torch.equal(row_argmax(x), x.max(dim=-1).indices) and calls == [(4, 100)]
+    for other in (x.double(), x.t()):  # another dtype, rows that are not contiguous
+        assert torch.equal(row_argmax(other), other.max(dim=-1).indices)
+    assert calls == [(4, 100)]
 
 
 def test_parallel_items_gives_a_held_up_threads_share_to_the_others():
@@ -152,7 +168,7 @@ def test_parallel_items_gives_a_held_up_threads_share_to_the_others():
     owner, times = probe(64, 1, -1, 0).unbind(1)  # items of 1 ms, no thread held up
     assert torch.equal(times, torch.ones(64, dtype=torch.long))
     assert set(owner.tolist()) == set(range(min(threads, 64)))
-    owner, times = probe(64, 1, 1, 300).unbind(1)  # thread 1 held 300 ms on its first item
+    owner, times = probe(64, 1, 1, 1000).unbind(1)  # thread 1 held 1 s on its first item
     assert torch.equal(times, torch.ones(64, dtype=torch.long))
     if threads >= 2:
         assert int((owner == 1).sum()) == 1

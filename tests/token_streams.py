@@ -59,7 +59,7 @@ def split_ids(ids: list[int], chunking: str, seed: int = 0) -> list[list[int]]:
 
 
 def feed(detok: IncrementalDetokenizer, chunks: list[list[int]],
-            finish: bool = True) -> tuple[list[str], str | None]:
+         finish: bool = True) -> tuple[list[str], str | None]:
     """Feed ``chunks`` as the output processor does; the deltas and the stop string."""
     deltas = []
     for i, chunk in enumerate(chunks):
