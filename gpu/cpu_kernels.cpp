@@ -2,8 +2,8 @@
 // embeddings fused into one pass each (torch runs them as 6, 7 and 14 small ops, whose fixed
 // costs dominate at decode batch sizes), and a switch that flushes denormal floats to zero on
 // torch's worker threads. This file also binds the module, with decode attention
-// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp), SiLU(gate) * up (cpu_activation.cpp)
-// and the greedy sampler's argmax (cpu_argmax.cpp).
+// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp), SiLU(gate) * up (cpu_activation.cpp),
+// the greedy sampler's argmax (cpu_argmax.cpp) and the one-call decode step (cpu_decoder.cpp).
 //
 // Kernels are split over tokens with at::parallel_for, on torch's own thread pool. Every index
 // is checked before any is used.
@@ -270,4 +270,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T + b over packed panels (float32)");
   m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
         "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
+  bind_decode_stack(m);
 }

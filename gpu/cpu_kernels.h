@@ -1,7 +1,25 @@
-// Kernels defined in their own source files and bound into the module by cpu_kernels.cpp.
+// Kernels defined in their own source files and bound into the module by cpu_kernels.cpp, and
+// cpu_kernels.cpp's own, which cpu_decoder.cpp calls too.
 #pragma once
 
 #include <torch/extension.h>
+
+#include <tuple>
+
+// cpu_kernels.cpp: RMSNorm of a contiguous x's rows, normalised in float32.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+// cpu_kernels.cpp: (x + delta, RMSNorm(x + delta)) in one pass.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta,
+                                                      torch::Tensor weight, double eps);
+
+// cpu_kernels.cpp: rotate-half RoPE of query and key [tokens, heads, head_dim], in place.
+void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                      torch::Tensor sin, torch::Tensor positions);
+
+// cpu_kernels.cpp: key/value rows into the paged caches at their slots (-1: skipped).
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slot_mapping);
 
 // cpu_linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
@@ -25,3 +43,6 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 
 // cpu_argmax.cpp: each row's argmax of a float32 [rows, width], with torch's max(dim=-1) rules.
 torch::Tensor argmax_rows(torch::Tensor x);
+
+// cpu_decoder.cpp: binds DecodeStack, a float32 Llama decode step in one call.
+void bind_decode_stack(py::module& m);

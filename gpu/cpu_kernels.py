@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
-                        "cpu_activation.cpp", "cpu_argmax.cpp")]
+                        "cpu_activation.cpp", "cpu_argmax.cpp", "cpu_decoder.cpp")]
 HEADERS = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.h", "cpu_parallel.h", "cpu_vec.h")]
 DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)

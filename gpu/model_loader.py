@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from gpu.attention import AttentionBackend
+from gpu.decode_stack import build_decode_stack
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
 from gpu.packed_linear import can_pack, pack_linear_layers
@@ -44,6 +45,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     model.eval()
     if can_pack(device, dtype):
         pack_linear_layers(model)
+        model.decode_stack = build_decode_stack(model)
     return model
 
 

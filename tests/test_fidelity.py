@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core import LLM, SamplingParams
+from gpu.model_config import ModelConfig
 from gpu.random_model import build_model_dir
 
 NEW_TOKENS = 32
@@ -19,10 +20,14 @@ MODELS = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "mistral": ("mistral", {"tie_word_embeddings": True}),
-    "qwen2": ("qwen2", {}),
+    "qwen2": ("qwen2", {"hidden_size": 128}),  # head_dim 32: decode steps in one C++ call
     "qwen3": ("qwen3", {}),
 }
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head dim 16, float32
+
+
+def _twenty_blocks(path: str) -> int:
+    """KV-cache bytes for 20 blocks of 16 float32 tokens of this model."""
+    return 20 * 16 * ModelConfig.from_dir(path).kv_bytes_per_token(4)
 
 
 def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -115,7 +120,7 @@ def test_matches_hf_under_chunked_prefill(core_model):
 @pytest.mark.slow
 def test_matches_hf_under_preemption(core_model):
     path, hf = core_model
-    llm = LLM(path, kv_cache_memory=20 * 16 * KV_BYTES_PER_TOKEN)
+    llm = LLM(path, kv_cache_memory=_twenty_blocks(path))
     assert llm.engine.kv.num_blocks == 20
     _check_against_hf(hf, llm, _prompts(0))
     assert llm.engine.stats().num_preemptions > 0
@@ -132,7 +137,7 @@ def test_matches_hf_with_two_seqs_at_a_time(core_model):
 def test_matches_hf_with_async_scheduling_under_preemption_and_chunking(core_model):
     path, hf = core_model
     llm = LLM(path, async_scheduling=True, max_num_batched_tokens=48,
-              kv_cache_memory=20 * 16 * KV_BYTES_PER_TOKEN)
+              kv_cache_memory=_twenty_blocks(path))
     _check_against_hf(hf, llm, _prompts(0))
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv.pool.num_free_blocks == 20

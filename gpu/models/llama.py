@@ -7,10 +7,13 @@ fused into single matmuls at load time.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from gpu.attention import AttentionBackend, AttentionMetadata
+from gpu.decode_stack import runs_on_stack
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
 
@@ -95,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.decode_stack: Any = None  # gpu.decode_stack's one-call decode step, once built
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again
@@ -114,6 +118,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
+        if self.decode_stack is not None and runs_on_stack(input_ids, meta):
+            requests, rows = meta.decode_rows_cpu
+            caches = [cache for pair in kv_caches for cache in pair]
+            return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,
+                                             meta.block_table, meta.seq_lens, requests, rows)
         x = self.embed_tokens(input_ids)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):

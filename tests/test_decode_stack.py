@@ -1,0 +1,111 @@
+"""The one-call C++ decode step (``gpu/decode_stack.py``): built where it applies, bitwise the
+Python model's hidden states on ragged paged batches, and left out of every other step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.attention import get_attention_backend
+from gpu.cpu_kernels import load_cpu_kernels
+from gpu.decode_stack import runs_on_stack
+from gpu.model_config import ModelConfig
+from gpu.model_loader import load_model
+from gpu.models.llama import LlamaForCausalLM
+from gpu.random_model import build_model_dir
+from tests.paged_layout import paged_layout, random_caches
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+
+BLOCK = 16
+CONTEXTS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 97, 200]
+
+
+def _load(path, dtype=torch.float32, backend: str = "cpu") -> LlamaForCausalLM:
+    return load_model(path, ModelConfig.from_dir(path), get_attention_backend(backend, "cpu"),
+                      512, dtype, "cpu")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a biased qkv projection
+def model_dir(request, tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp(request.param), request.param,
+                           hidden_size=128)  # head_dim 32, which the decode kernel takes
+
+
+def _step(model: LlamaForCausalLM, query_lens: list[int], seed: int):
+    cfg = model.config
+    meta = paged_layout(CONTEXTS, query_lens, BLOCK, seed=seed)
+    torch.manual_seed(seed)
+    caches = [random_caches(meta, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+              for _ in range(cfg.num_layers)]
+    ids = torch.randint(0, cfg.vocab_size, (meta.num_actual_tokens,))
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(CONTEXTS, query_lens)])
+    return ids, positions, caches, meta
+
+
+def _forward(model: LlamaForCausalLM, stack, ids, positions, caches, meta) -> torch.Tensor:
+    model.decode_stack = stack
+    with torch.inference_mode():
+        return model(ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
+
+
+class Counted:
+    """A stack that records its calls."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def test_decode_step_is_bitwise_the_python_model(model_dir):
+    model = _load(model_dir)
+    assert model.decode_stack is not None
+    stack = Counted(model.decode_stack)
+    for seed in range(3):
+        ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed)
+        python = _forward(model, None, ids, positions, caches, meta)
+        ours = _forward(model, stack, ids, positions, caches, meta)
+        assert stack.calls == seed + 1
+        assert torch.equal(ours, python)
+
+
+def test_the_stack_writes_the_step_keys_and_values(model_dir):
+    model = _load(model_dir)
+    ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed=4)
+    written = {}
+    for name, stack in (("python", None), ("stack", model.decode_stack)):
+        model.decode_stack = stack
+        copies = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            model(ids, positions, copies, meta)
+        written[name] = copies
+    for (k1, v1), (k2, v2), (k0, _) in zip(written["python"], written["stack"], caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert not torch.equal(k2, k0)  # the step's keys did land in the cache
+
+
+def test_prefill_and_padded_steps_take_the_python_path(model_dir):
+    model = _load(model_dir)
+    ids, positions, caches, meta = _step(model, [1, 3] + [1] * (len(CONTEXTS) - 2), seed=5)
+    assert not runs_on_stack(ids, meta)
+
+    class Refuses:
+        def forward(self, *args):
+            raise AssertionError("a prefill chunk reached the decode stack")
+
+    _forward(model, Refuses(), ids, positions, caches, meta)
+    decode_meta = paged_layout(CONTEXTS, [1] * len(CONTEXTS), BLOCK, seed=6, pad_rows=2)
+    padded_ids = torch.zeros(decode_meta.num_actual_tokens + 2, dtype=torch.long)
+    assert not runs_on_stack(padded_ids, decode_meta)
+
+
+def test_not_built_where_it_does_not_apply(model_dir, tmp_path):
+    assert _load(model_dir, dtype=torch.bfloat16).decode_stack is None
+    assert _load(model_dir, backend="torch").decode_stack is None
+    narrow_heads = build_model_dir(tmp_path / "hd16", "llama")  # head_dim 16: no kernel
+    assert _load(narrow_heads).decode_stack is None
+    qk_norm = build_model_dir(tmp_path / "qwen3", "qwen3", hidden_size=128)
+    assert _load(qk_norm).decode_stack is None
