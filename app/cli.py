@@ -17,7 +17,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from dataclasses import fields
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -32,6 +32,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
 
 logger = logging.getLogger("tidal")
+T = TypeVar("T")  # what run_event_loop's coroutine returns
 
 
 def parse_bytes(text: str) -> int:
@@ -167,7 +168,7 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port)
     app = build_app(engine, settings)
-    _run(_serve(app, settings, engine))
+    run_event_loop(_serve(app, settings, engine))
     return 0
 
 
@@ -205,13 +206,14 @@ async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) 
     await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
 
 
-def _run(coro: Coroutine[Any, Any, None]) -> None:
+def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on uvloop, the server's event loop (plain asyncio where
+    uvloop is missing, as on Windows)."""
     try:
         import uvloop
-    except ImportError:  # Windows: plain asyncio
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,12 @@ from bench.common import bench_model_dir, random_prompts, write_result
 from core import LLM, SamplingParams
 
 
-def run_ours(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-             max_num_batched_tokens: int, dtype: str) -> dict:
+def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
+             max_num_seqs: int, max_num_batched_tokens: int, dtype: str) -> dict:
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    llm.generate(warm, params, use_tqdm=False)  # other prompts: no prefix-cache hits later
     llm.engine.profiler.reset()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -43,8 +43,8 @@ def run_ours(model: str, prompts: list[list[int]], output_len: int, max_num_seqs
 
 
 @torch.inference_mode()
-def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int,
-           dtype: str) -> dict:
+def run_hf(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
+           batch_size: int, dtype: str) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -57,7 +57,7 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
                           do_sample=False)
         return (out.shape[1] - width) * len(batch)
 
-    batch_generate(prompts[:4])  # warm-up
+    batch_generate(warm)
     start = time.perf_counter()
     tokens = sum(batch_generate(prompts[i:i + batch_size])
                  for i in range(0, len(prompts), batch_size))
@@ -90,11 +90,12 @@ def main() -> None:
 
     model = args.model or str(bench_model_dir(tempfile.gettempdir() + "/tidal-bench-llama"))
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=8000)
-    ours = in_fresh_process(run_ours, model, prompts, args.output_len, args.max_num_seqs,
+    warm = random_prompts(4, args.min_len, args.max_len, vocab=8000, seed=1)
+    ours = in_fresh_process(run_ours, model, prompts, warm, args.output_len, args.max_num_seqs,
                             args.max_num_batched_tokens, args.dtype)
     print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
           f"overhead {100 * ours['overhead_share']:.1f}% of step time")
-    hf = in_fresh_process(run_hf, model, prompts, args.output_len, args.hf_batch_size,
+    hf = in_fresh_process(run_hf, model, prompts, warm, args.output_len, args.hf_batch_size,
                           args.dtype)
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]

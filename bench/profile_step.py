@@ -1,10 +1,11 @@
 """Where an engine step's time goes: schedule / prepare inputs / forward / sample / update /
 detokenize / post, at steady-state decode for each batch size.
 
-Runs the ``AsyncEngine`` in this process the way the server does (engine thread, asyncio
-consumers), starts ``batch`` requests together, and reads the engine's ``StepProfiler`` over
-exactly ``--steps`` decode steps once every request has its first tokens. ``--functions N`` adds the
-N Python functions with the most own time inside those steps (cProfile on the engine thread).
+Runs the ``AsyncEngine`` in this process the way the server does (engine thread, consumers on
+uvloop), starts ``batch`` requests together, and reads the engine's ``StepProfiler`` over
+exactly ``--steps`` decode steps once every request has its first tokens. ``--functions N``
+adds the N Python functions with the most own time inside those steps (cProfile on the engine
+thread).
 
     python -m bench.profile_step                      # batch 1 and 32 on the benchmark Llama
     python -m bench.profile_step --model DIR --batch-sizes 1 8 32 --functions 15
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.cli import run_event_loop
 from bench.common import bench_model_dir, write_result
 from core.async_engine import AsyncEngine
 from core.config import EngineConfig
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[BatchProfile]:
     config = EngineConfig(model=model, dtype=args.dtype,
                           max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
                           kv_cache_memory=args.kv_cache_memory)
-    results = asyncio.run(profile(config, args.batch_sizes, args.input_len, args.steps,
+    results = run_event_loop(profile(config, args.batch_sizes, args.input_len, args.steps,
                                   args.functions))
     for result in results:
         print(format_profile(result))
