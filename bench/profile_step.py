@@ -99,7 +99,7 @@ class _StepWindow:
         return all(rid in requests and requests[rid].num_output_tokens >= WARM_TOKENS
                    for rid in self.request_ids)
 
-    def _wrapped(self) -> list:
+    def _wrapped(self, **kwargs: Any) -> list:
         if self.start is None and self._ready():
             self.start = Snapshot.of(self.core.profiler)
         elif self.start is not None and self.end is None:
@@ -107,10 +107,10 @@ class _StepWindow:
             if self._seen == self.steps:
                 self.end = Snapshot.of(self.core.profiler)
         if self.profile is None or self.start is None or self.end is not None:
-            return self._step()
+            return self._step(**kwargs)
         self.profile.enable()
         try:
-            return self._step()
+            return self._step(**kwargs)
         finally:
             self.profile.disable()
 

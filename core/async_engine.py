@@ -1,9 +1,9 @@
 """The engine on its own thread, driven from an asyncio event loop.
 
 The event loop hands the engine thread new requests and aborts through one thread-safe queue,
-drained at the top of every step. After each step the thread posts all of that step's outputs
-back with ONE ``loop.call_soon_threadsafe`` call; each request's ``RequestOutputCollector``
-merges deltas its consumer has not taken yet. The thread never touches asyncio objects except
+drained at the top of every step. The thread posts all of a step's outputs back with ONE
+``loop.call_soon_threadsafe`` call (during the next step, just before its forward); each
+request's ``RequestOutputCollector`` merges deltas its consumer has not taken yet. The thread never touches asyncio objects except
 through that call, and the event loop never touches scheduler state.
 """
 
@@ -61,6 +61,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._launch: queue.SimpleQueue | None = None  # start() -> the waiting engine thread
         self._dead: BaseException | None = None
+        self._pending: tuple[list, EngineStats] | None = None  # outputs not yet posted
         if core is None:
             if config is None:
                 raise ValueError("AsyncEngine needs a config or an EngineCore")
@@ -174,26 +175,39 @@ class AsyncEngine:
 
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        """Step while there is work. A step's outputs are posted during the next step, once
+        its inputs are ready and just before its forward, which releases the GIL: the event
+        loop then streams them while the model computes, instead of taking the GIL from the
+        next step's scheduling. Outputs are posted at once when no step follows."""
         try:
             while True:
-                errors = self._drain(block=not self.core.has_unfinished_requests())
+                idle = not self.core.has_unfinished_requests()
+                if idle:
+                    self._flush()
+                errors = self._drain(block=idle)
                 if errors is None:
+                    self._flush()
                     return
                 outputs: list = list(errors)
-                stepped = self.core.has_unfinished_requests()
-                if stepped:
-                    outputs.extend(self.core.step())
+                if self.core.has_unfinished_requests():
+                    outputs.extend(self.core.step(before_forward=self._flush))
                 step_done = time.monotonic()  # when these tokens were sampled, for latency
                 for out in outputs:
                     if isinstance(out, RequestOutput):
                         out.metrics["step_done"] = step_done
-                self._call_loop(self._post, (outputs, self.core.stats()))
-                if stepped:
-                    self.core.profiler.lap("post")
+                self._flush()  # the step ran no forward, so nothing posted the last outputs
+                self._pending = (outputs, self.core.stats())
         except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiter
             logger.exception("the engine thread died")
             self._dead = exc
+            self._flush()
             self._call_loop(self._fail_all, EngineDeadError(f"the engine died: {exc!r}"))
+
+    def _flush(self) -> None:
+        """Post the outputs waiting for the event loop, if any."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._call_loop(self._post, pending)
 
     def _drain(self, block: bool) -> list[tuple[str, BaseException]] | None:
         """Apply queued adds and aborts; ``None`` means stop. Returns per-request errors."""

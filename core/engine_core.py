@@ -7,7 +7,7 @@ and the offline ``LLM`` calls it directly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,18 +117,20 @@ class EngineCore:
                 or self._in_flight is not None or self.scheduler.has_finished_to_report())
 
     # -- one step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step; returns the delta of every request that progressed or finished.
 
         With async scheduling, this step is launched before the previous one's tokens are
         processed, so the device computes while the host does the previous step's
         bookkeeping (the sampler counts tokens still on the device for penalties).
+        ``before_forward`` runs when the step's inputs are ready, just before its forward (if
+        it has one).
         """
         prof = self.profiler
         prof.start()
         sched = self.scheduler.schedule()
         prof.lap("schedule")
-        handle = self.runner.execute_model_async(sched)  # laps its own phases
+        handle = self.runner.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.config.async_scheduling:
             previous = self._in_flight

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -146,20 +147,28 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).result()
 
-    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+    def execute_model_async(self, sched: SchedulerOutput,
+                            before_forward: Callable[[], None] | None = None) -> StepHandle:
         """Launch a step. The sampled ids stay on the device (the next step reads them from
-        there); the returned handle brings them to the host when asked."""
+        there); the returned handle brings them to the host when asked.
+
+        ``before_forward`` runs once the inputs are ready, just before the forward (not at all
+        for an empty step); its time counts as "post"."""
         with denormals_flushed() if self.device == "cpu" else contextlib.nullcontext():
-            return self._launch_step(sched)
+            return self._launch_step(sched, before_forward)
 
     @torch.inference_mode()
-    def _launch_step(self, sched: SchedulerOutput) -> StepHandle:
+    def _launch_step(self, sched: SchedulerOutput,
+                     before_forward: Callable[[], None] | None) -> StepHandle:
         prof = self.profiler
         self._update_states(sched)
         if sched.is_empty:
             return StepHandle(self.batch, [], None)
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
+        if before_forward is not None:
+            before_forward()
+            prof.lap("post")
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)

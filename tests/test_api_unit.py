@@ -110,6 +110,35 @@ async def test_lagging_consumer_of_a_real_engine_gets_merged_deltas(model_dir: P
         await engine.shutdown()
 
 
+async def test_a_steps_outputs_are_posted_between_the_next_steps_inputs_and_forward(
+        model_dir: Path) -> None:
+    """The event loop streams while the model computes: the post never lands between a
+    forward and the next step's input preparation, where it would take the GIL from it."""
+    engine = AsyncEngine(_engine_config(model_dir))
+    events: list[str] = []
+    runner = engine.core.runner
+
+    def recorded(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    runner._prepare_inputs = recorded("inputs", runner._prepare_inputs)
+    runner._run_model = recorded("forward", runner._run_model)
+    engine._call_loop = recorded("post", engine._call_loop)  # type: ignore[method-assign]
+    engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        deltas = [d async for d in engine.generate([5, 6, 7, 8], params, "order")]
+    finally:
+        await engine.shutdown()
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == 5 and deltas[-1].finished
+    steps = "".join({"inputs": "i", "forward": "f", "post": "p"}[e] for e in events)
+    # the last step's tokens are posted once no step follows (then a stats-only post or two)
+    assert re.fullmatch(r"if(ipf){4}p+", steps), steps
+
+
 async def test_cancelling_the_consumer_aborts_and_frees_blocks(model_dir: Path) -> None:
     engine = AsyncEngine(_engine_config(model_dir))
     engine.start()
