@@ -70,18 +70,23 @@ class RequestOutputCollector:
 
     def __init__(self) -> None:
         self._output: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits
 
     def put(self, output: RequestOutput | BaseException) -> None:
         if self._output is None or isinstance(output, BaseException):
             self._output = output
         elif isinstance(self._output, RequestOutput):
             self._output.merge(output)
-        self._ready.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # done: the consumer was cancelled
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
+        """Wait for the next delta. A bare future, not an ``asyncio.Event``: this runs once
+        per token of every stream, and the event's waiter bookkeeping showed in profiles."""
         while self._output is None:
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         return self._take()
 
     def get_nowait(self) -> RequestOutput | None:
@@ -89,7 +94,6 @@ class RequestOutputCollector:
 
     def _take(self) -> RequestOutput:
         output, self._output = self._output, None
-        self._ready.clear()
         if isinstance(output, BaseException):
             raise output
         return output
