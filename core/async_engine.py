@@ -3,8 +3,9 @@
 The event loop hands the engine thread new requests and aborts through one thread-safe queue,
 drained at the top of every step. The thread posts all of a step's outputs back with ONE
 ``loop.call_soon_threadsafe`` call (during the next step, just before its forward); each
-request's ``RequestOutputCollector`` merges deltas its consumer has not taken yet. The thread never touches asyncio objects except
-through that call, and the event loop never touches scheduler state.
+request's ``RequestOutputCollector`` merges deltas its consumer has not taken yet. The thread
+never touches asyncio objects except through that call, and the event loop never touches
+scheduler state.
 """
 
 from __future__ import annotations
