@@ -191,7 +191,7 @@ class AsyncEngine:
                     return
                 outputs: list = list(errors)
                 if self.core.has_unfinished_requests():
-                    outputs.extend(self.core.step(before_forward=self._flush))
+                    outputs.extend(self.core.step(before_forward=self._flush_in_step))
                 step_done = time.monotonic()  # when these tokens were sampled, for latency
                 for out in outputs:
                     if isinstance(out, RequestOutput):
@@ -209,6 +209,10 @@ class AsyncEngine:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._call_loop(self._post, pending)
+
+    def _flush_in_step(self) -> None:
+        self._flush()
+        self.core.profiler.lap("post")
 
     def _drain(self, block: bool) -> list[tuple[str, BaseException]] | None:
         """Apply queued adds and aborts; ``None`` means stop. Returns per-request errors."""

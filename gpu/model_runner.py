@@ -153,7 +153,7 @@ class ModelRunner:
         there); the returned handle brings them to the host when asked.
 
         ``before_forward`` runs once the inputs are ready, just before the forward (not at all
-        for an empty step); its time counts as "post"."""
+        for an empty step)."""
         with denormals_flushed() if self.device == "cpu" else contextlib.nullcontext():
             return self._launch_step(sched, before_forward)
 
@@ -167,8 +167,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
         if before_forward is not None:
-            before_forward()
-            prof.lap("post")
+            before_forward()  # laps its own phase
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
