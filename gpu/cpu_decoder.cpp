@@ -14,19 +14,22 @@
 
 namespace {
 
-// A linear layer as the Python side hands it over: (panels, out_features, bias or None).
-using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
+// A linear layer as the Python side hands it over: (panels, out_features, bias or None, MKL's
+// pack or None).
+using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
+                              c10::optional<torch::Tensor>>;
 
 struct Linear {
   torch::Tensor panels;
   int64_t out_features;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<torch::Tensor> bias, mkl_packed;
 
   explicit Linear(const LinearSpec& spec)
-      : panels(std::get<0>(spec)), out_features(std::get<1>(spec)), bias(std::get<2>(spec)) {}
+      : panels(std::get<0>(spec)), out_features(std::get<1>(spec)), bias(std::get<2>(spec)),
+        mkl_packed(std::get<3>(spec)) {}
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return packed_linear(x, panels, out_features, bias);
+    return packed_linear(x, panels, out_features, bias, mkl_packed);
   }
 };
 

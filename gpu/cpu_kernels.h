@@ -24,9 +24,20 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
 // cpu_linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 
-// cpu_linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels.
+// cpu_linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels,
+// or from mkl_pack_linear_weight's copy (when given) for a step of many rows.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                            c10::optional<torch::Tensor> bias);
+                            c10::optional<torch::Tensor> bias,
+                            c10::optional<torch::Tensor> mkl_packed);
+
+// cpu_mkl_linear.cpp: W [out_features, in_features] float32 -> MKL's packed form of W^T, or
+// None where torch has no MKL.
+c10::optional<torch::Tensor> mkl_pack_linear_weight(torch::Tensor weight);
+
+// cpu_mkl_linear.cpp: y = x W^T (+ bias, out_features floats) by MKL over its packed W^T;
+// x's rows are contiguous (packed_linear checks x).
+torch::Tensor mkl_packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                int64_t out_features, const float* bias);
 
 // cpu_attention.cpp: whether decode_attention takes this head_dim.
 bool decode_attention_supports(int64_t head_dim);

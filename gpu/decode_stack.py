@@ -16,7 +16,7 @@ import torch
 from gpu.attention import AttentionMetadata
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.cpu_kernels import load_cpu_kernels
-from gpu.packed_linear import MKL_MIN_ROWS, PackedLinear
+from gpu.packed_linear import PLAIN_GEMM_MIN_ROWS, PackedLinear
 
 
 def build_decode_stack(model: torch.nn.Module) -> Any | None:
@@ -46,10 +46,12 @@ def build_decode_stack(model: torch.nn.Module) -> Any | None:
 
 
 def runs_on_stack(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """A decode-only step without padding rows, of fewer rows than the linears hand to MKL."""
+    """A decode-only step without padding rows, of fewer rows than the linears would hand to a
+    plain GEMM."""
     rows = input_ids.shape[0]
-    return meta.is_decode_only and meta.num_actual_tokens == rows and rows < MKL_MIN_ROWS
+    return meta.is_decode_only and meta.num_actual_tokens == rows and rows < PLAIN_GEMM_MIN_ROWS
 
 
-def _spec(linear: PackedLinear) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    return linear.packed_weight, linear.out_features, linear.bias
+def _spec(linear: PackedLinear
+          ) -> tuple[torch.Tensor, int, torch.Tensor | None, torch.Tensor | None]:
+    return linear.packed_weight, linear.out_features, linear.bias, linear.mkl_packed_weight
