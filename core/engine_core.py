@@ -55,7 +55,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            async_scheduling=bool(config.async_scheduling)), self.kv)
+            async_scheduling=bool(config.async_scheduling),
+            attention_cost_context=self.runner.attention_cost_context), self.kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
         self.runner.profiler = self.profiler

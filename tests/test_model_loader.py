@@ -51,6 +51,18 @@ def test_unsupported_architecture_lists_the_supported_ones(model_dir, tmp_path):
         ModelConfig.from_dir(other)
 
 
+def test_attention_cost_context_weighs_attention_against_the_linears(model_dir):
+    """A 30M Llama (hidden 512, 8 heads and 4 KV heads of 64, MLP 1,408): per token and layer
+    the linears take 2 x 2.95M FLOPs, attention 4 x 512 a cached position: even at 2,880."""
+    dims = dict(architecture="LlamaForCausalLM", vocab_size=8192, hidden_size=512,
+                intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=1e4)
+    assert ModelConfig(**dims).attention_cost_context() == 2880
+    config = ModelConfig.from_dir(model_dir)
+    assert LLM(str(model_dir)).engine.scheduler.config.attention_cost_context == (
+        config.attention_cost_context())
+
+
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path / "nowhere"))

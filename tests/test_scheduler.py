@@ -35,6 +35,7 @@ workload = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 8),
     "abort_rate": st.floats(0.0, 0.2),
     "caching": st.booleans(),
+    "attention_cost_context": st.sampled_from([0, 1, 8, 64]),
 })
 
 
@@ -43,7 +44,8 @@ workload = st.fixed_dictionaries({
 def test_random_workload_finishes_everything_and_leaks_no_block(w):
     rng = random.Random(w["seed"])
     kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"])
-    config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64)
+    config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64,
+                             attention_cost_context=w["attention_cost_context"])
     scheduler = Scheduler(config, kv)
     prefix = [rng.randrange(50) for _ in range(12)]
     requests = []
@@ -93,6 +95,41 @@ def test_long_prompt_is_chunked_while_decodes_continue():
     s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"short": 1, "long": 7}
+
+
+def test_chunks_are_charged_for_the_context_they_attend_over():
+    """With attention_cost_context 16 a chunk of m tokens after c costs m + ceil((m c +
+    m (m + 1) / 2) / 16): 11 tokens at c = 0 cost 16 (12 would cost 17), then 8 at c = 11 (16),
+    6 at c = 19 (15; 7 would cost 18). The decode beside them is charged 1 token."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(4, 17, 256, attention_cost_context=16), kv)
+    s.add_request(Request("short", [1, 2], SamplingParams(max_tokens=20)))
+    s.schedule()
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
+    s.add_request(Request("long", list(range(100, 160)), SamplingParams(max_tokens=1)))
+    chunks = []
+    while s.requests["long"].num_computed_tokens < 60:
+        out = s.schedule()
+        assert out.num_scheduled_tokens["short"] == 1
+        chunks.append(out.num_scheduled_tokens["long"])
+        assert out.total_num_scheduled_tokens == 1 + chunks[-1]
+        s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
+    assert chunks[:3] == [11, 8, 6]
+    assert chunks == sorted(chunks, reverse=True) and sum(chunks) == 60
+    uncharged = Scheduler(SchedulerConfig(4, 17, 256), KVCacheManager(64, 4))
+    uncharged.add_request(Request("long", list(range(100, 160)), SamplingParams(max_tokens=1)))
+    assert uncharged.schedule().num_scheduled_tokens == {"long": 17}
+
+
+def test_a_chunk_deep_in_a_long_context_still_gets_a_token():
+    s = Scheduler(SchedulerConfig(4, 4, 4096, attention_cost_context=1), KVCacheManager(600, 4))
+    s.add_request(Request("long", list(range(2000)), SamplingParams(max_tokens=1)))
+    steps = 0
+    while s.requests["long"].num_computed_tokens < 2000:
+        out = s.schedule()
+        assert 1 <= out.num_scheduled_tokens["long"] <= 4
+        steps += 1
+    assert steps >= 1000  # one token a step once a token's context costs the budget
 
 
 def _step(s: Scheduler) -> SchedulerOutput:
