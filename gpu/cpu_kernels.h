@@ -25,7 +25,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 
 // cpu_linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels,
-// or from mkl_pack_linear_weight's copy (when given) for a step of many rows.
+// or from mkl_pack_linear_weight's copy of the same W (when given; the pack carries no shape
+// to check against x) for a step of many rows.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                             c10::optional<torch::Tensor> bias,
                             c10::optional<torch::Tensor> mkl_packed);

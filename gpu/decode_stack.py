@@ -46,8 +46,8 @@ def build_decode_stack(model: torch.nn.Module) -> Any | None:
 
 
 def runs_on_stack(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """A decode-only step without padding rows, of fewer rows than the linears would hand to a
-    plain GEMM."""
+    """A decode-only step without padding rows, of fewer than ``PLAIN_GEMM_MIN_ROWS`` rows
+    (from there, in layers without MKL's pack, the Python path's plain GEMM is faster)."""
     rows = input_ids.shape[0]
     return meta.is_decode_only and meta.num_actual_tokens == rows and rows < PLAIN_GEMM_MIN_ROWS
 
