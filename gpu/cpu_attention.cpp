@@ -31,10 +31,9 @@
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
 #include "cpu_kernels.h"
+#include "cpu_paged.h"
 #include "cpu_parallel.h"
 #include "cpu_vec.h"
-
-#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,33 +51,9 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                   const torch::Tensor& requests, const torch::Tensor& query_rows) {
-  for (const auto& t :
-       {out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows})
+  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens);
+  for (const auto& t : {requests, query_rows})
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
-  for (const auto& x : {out, query})
-    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
-                    x.sizes() == query.sizes() && x.scalar_type() == key_cache.scalar_type(),
-                "query/out must be [tokens, heads, head_dim] in the cache's dtype, rows "
-                "contiguous");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "caches must be contiguous 4-D tensors of one shape and dtype");
-  TORCH_CHECK(query.size(2) == key_cache.size(3) && decode_attention_supports(query.size(2)),
-              "head_dim must match the cache and be one of 32, 64, 80, 96, 128, 256");
-  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
-              "heads must be a multiple of kv heads");
-  // Rows are written by several threads while others read their queries: each row of out
-  // must be its own memory, and out may be query itself but not overlap it otherwise.
-  at::assert_no_internal_overlap(out);
-  at::assert_no_partial_overlap(out, query);
-  at::assert_no_overlap(out, key_cache);
-  at::assert_no_overlap(out, value_cache);
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
-                  block_table.stride(1) == 1,
-              "block_table must be 2-D int32 with contiguous rows");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int32");
   TORCH_CHECK(requests.scalar_type() == torch::kInt64 &&
                   query_rows.scalar_type() == torch::kInt64 && requests.is_contiguous() &&
                   query_rows.is_contiguous() && requests.numel() == query_rows.numel(),
@@ -86,9 +61,7 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
   const int64_t* req = requests.data_ptr<int64_t>();
   const int64_t* qrow = query_rows.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t num_requests = std::min(seq_lens.numel(), block_table.size(0));
-  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
   std::vector<bool> written(query.size(0));
   for (int64_t i = 0; i < requests.numel(); ++i) {
     const int64_t r = req[i];
@@ -96,28 +69,8 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
     TORCH_CHECK(qrow[i] >= 0 && qrow[i] < query.size(0), "query row ", qrow[i], " out of range");
     TORCH_CHECK(!written[qrow[i]], "query row ", qrow[i], " given twice");
     written[qrow[i]] = true;
-    const int64_t len = lens[r];
-    TORCH_CHECK(len >= 1 && len <= block_table.size(1) * block_size, "seq_len ", len,
-                " of request ", r, " exceeds the block table");
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
-      const int32_t block = table[r * block_table.stride(0) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " out of range");
-    }
+    tidal::check_context(block_table, key_cache.size(0), key_cache.size(1), r, lens[r]);
   }
-}
-
-// Where each position of a row's context starts in the cache (in elements), padded to a whole
-// number of 16 positions by repeating the last: the block kernel always reads 16 key rows (the
-// padded lanes' scores are then set to -inf), so its loop unrolls with every index known at
-// compile time.
-void context_offsets(const int32_t* blocks, int64_t len, int64_t block_size,
-                     int64_t block_stride, int64_t token_stride, std::vector<int64_t>& offsets) {
-  offsets.resize((len + kLanes - 1) / kLanes * kLanes);
-  for (int64_t b = 0, p = 0; p < len; ++b) {
-    const int64_t base = blocks[b] * block_stride;
-    for (int64_t t = 0; t < block_size && p < len; ++t, ++p) offsets[p] = base + t * token_stride;
-  }
-  std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
 }
 
 // The cache lines of positions [from, from + 16) (those before len): every KV head's key and
@@ -293,7 +246,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       for (int64_t h = 0; h < heads; ++h)
         states[h] = HeadState{-std::numeric_limits<float>::infinity(),
                               acc.data() + h * state_floats};
-      context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
+      tidal::context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
       const int64_t first_lines = future_lines(keys, values, offsets.data(), 0, len,
                                                row_elements, lines);

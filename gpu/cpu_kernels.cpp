@@ -262,6 +262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention takes this head_dim");
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.K) V of decode rows over the paged cache, in one pass");
+  m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
+        "causal softmax(q.K) V of prefill chunks over the paged cache (float32)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, first NaN)");
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),
         "SiLU(gate) * up of a fused [..., 2n] gate_up projection");

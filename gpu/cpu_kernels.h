@@ -50,6 +50,14 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale);
 
+// cpu_prefill_attention.cpp: causal attention of the query rows of every request in
+// `requests` (rows query_start_loc[r]:query_start_loc[r + 1], the last ones of its context)
+// over its paged context, into the same rows of out; float32, decode_attention's head sizes.
+void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor block_table,
+                       torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                       torch::Tensor requests, double scale);
+
 // cpu_activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
 torch::Tensor silu_and_mul(torch::Tensor x);
 

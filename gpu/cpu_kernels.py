@@ -1,4 +1,5 @@
-"""Compiled CPU kernels: paged decode attention (``cpu_attention.cpp``), the float32 GEMM of the
+"""Compiled CPU kernels: paged decode attention (``cpu_attention.cpp``) and prefill attention
+(``cpu_prefill_attention.cpp``), the float32 GEMM of the
 linear layers (``cpu_linear.cpp``, with MKL's packed GEMM for many rows in
 ``cpu_mkl_linear.cpp``), the MLP's SiLU(gate) * up (``cpu_activation.cpp``), the
 greedy sampler's argmax (``cpu_argmax.cpp``), and the KV-cache write, RMSNorm (with or without
@@ -30,11 +31,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
+           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
+                        "cpu_linear.cpp",
                         "cpu_mkl_linear.cpp", "cpu_activation.cpp", "cpu_argmax.cpp",
                         "cpu_decoder.cpp")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.h", "cpu_parallel.h", "cpu_vec.h")]
+           for name in ("cpu_kernels.h", "cpu_paged.h", "cpu_parallel.h", "cpu_vec.h")]
 DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -4,6 +4,7 @@ cached context."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -98,14 +99,20 @@ def test_decode_kernel_rejects_bad_inputs_instead_of_reading_past_them():
         attend(query=torch.randn(2, 4, 32))
     with pytest.raises(RuntimeError, match="request 7 out of range"):
         attend(requests=(0, 7))
+    _rejects_contexts_past_their_blocks(meta, lambda lens, table: attend(lens=lens, table=table))
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        attend(query=query.double())
+
+
+def _rejects_contexts_past_their_blocks(meta, attend) -> None:
+    """``attend(seq_lens, block_table)`` for two requests, the second over two blocks: a length
+    past the table's row, then a block past the cache."""
     with pytest.raises(RuntimeError, match="exceeds the block table"):
-        attend(lens=torch.tensor([6, 10**4], dtype=torch.int32))
+        attend(torch.tensor([6, 10**4], dtype=torch.int32), meta.block_table)
     bad_table = meta.block_table.clone()
     bad_table[1, 1] = 10**6
     with pytest.raises(RuntimeError, match="block 1000000 out of range"):
-        attend(table=bad_table)
-    with pytest.raises(RuntimeError, match="cache's dtype"):
-        attend(query=query.double())
+        attend(meta.seq_lens, bad_table)
 
 
 def test_backend_names_are_checked():
@@ -205,3 +212,96 @@ def test_decode_kernel_keeps_an_infinite_value_in_a_partial_last_block():
     ref = reference_paged_attention(query, key_cache, value_cache, meta, 0.17)
     assert torch.isinf(ref[0, :, 0]).all()
     torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+def _prefill(meta, query, key_cache, value_cache, scale=0.17, requests=None, out=None):
+    out = torch.full_like(query, float("nan")) if out is None else out
+    requests = meta.prefill_requests_cpu if requests is None else torch.tensor(requests)
+    load_cpu_kernels().prefill_attention(out, query, key_cache, value_cache, meta.block_table,
+                                         meta.seq_lens, meta.query_start_loc, requests, scale)
+    return out
+
+
+# group 3: a head's 16 rows of an item end mid-position; 8: two positions an item
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 2), (16, 32, 1), (32, 80, 4),
+                                                       (8, 128, 8), (16, 96, 3), (16, 256, 1)])
+def test_prefill_kernel_matches_the_reference(block_size, head_dim, group):
+    """Chunks from scratch and over cached context, of lengths around the kernel's 16-row
+    and 16-key tiles, beside each other in one call."""
+    context = [0, 0, 16, 40, 3, 0, 250]
+    query_lens = [2, 17, 16, 33, 70, 200, 9]
+    meta = paged_layout(context, query_lens, block_size, seed=head_dim + group)
+    key_cache, value_cache = random_caches(meta, block_size, KV_HEADS, head_dim)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, head_dim)
+    got = _prefill(meta, query, key_cache, value_cache)
+    ref = reference_paged_attention(query, key_cache, value_cache, meta, 0.17)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+
+
+def test_cpu_backend_sends_float32_prefill_to_the_kernel(monkeypatch):
+    """Only the kernel may answer: the torch path is made to fail."""
+    def torch_path(*args):
+        raise AssertionError("a float32 prefill chunk took the torch path")
+
+    monkeypatch.setattr(TorchAttentionBackend, "_prefill", torch_path)
+    got, ref = _run(get_attention_backend("cpu", "cpu"), [0, 30, 7], [40, 1, 12], 16, 64, 2,
+                    torch.float32)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+
+
+def test_prefill_kernel_leaves_other_rows_and_takes_its_output_in_place():
+    """Rows of requests not listed stay as they were; out may be the query itself."""
+    meta = paged_layout([0, 5, 0], [20, 1, 18], 16, seed=2)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
+    query = torch.randn(meta.num_actual_tokens, 2 * KV_HEADS, 64)
+    got = _prefill(meta, query, key_cache, value_cache, requests=[2])
+    ref = reference_paged_attention(query, key_cache, value_cache, meta, 0.17)
+    assert torch.isnan(got[:21]).all()
+    torch.testing.assert_close(got[21:], ref[21:], atol=2e-5, rtol=0)
+    in_place = query.clone()
+    _prefill(meta, in_place, key_cache, value_cache, requests=[0, 2], out=in_place)
+    torch.testing.assert_close(in_place[:20], ref[:20], atol=2e-5, rtol=0)
+    torch.testing.assert_close(in_place[21:], ref[21:], atol=2e-5, rtol=0)
+
+
+def test_prefill_kernel_softmax_survives_rows_whose_first_keys_score_minus_inf():
+    """The first 16 positions score -inf (a -inf key feature against a positive query one):
+    rows among them see only -inf until later keys, which must then count in full."""
+    meta = paged_layout([0], [40], 16, seed=4)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
+    key_cache[meta.block_table[0, 0], :, :, 0] = float("-inf")
+    query = torch.randn(40, 2 * KV_HEADS, 64)
+    query[..., 0] = 1.0
+    got = _prefill(meta, query, key_cache, value_cache)
+    ref = reference_paged_attention(query, key_cache, value_cache, meta, 0.17)
+    assert torch.isnan(ref[:16]).all() and torch.isfinite(ref[16:]).all()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0, equal_nan=True)
+
+
+def test_prefill_kernel_rejects_bad_inputs_instead_of_reading_past_them():
+    meta = paged_layout([0, 4], [6, 20], 16, seed=0)  # rows [0, 6) and [6, 26)
+    key_cache, value_cache = random_caches(meta, 16, KV_HEADS, 64)
+    query = torch.randn(26, 4, 64)
+    assert torch.isfinite(_prefill(meta, query, key_cache, value_cache)).all()  # the valid call
+
+    def attend(requests=None, **changes):
+        return _prefill(dataclasses.replace(meta, **changes), query, key_cache, value_cache,
+                        requests=requests)
+
+    with pytest.raises(RuntimeError, match="request 2 out of range"):
+        attend(requests=[0, 2])
+    with pytest.raises(RuntimeError, match="query row 6 given twice"):
+        attend(requests=[1, 1])
+    with pytest.raises(RuntimeError, match="not within the query's 26"):
+        attend(query_start_loc=torch.tensor([0, 6, 27], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="not within the query's 26"):
+        attend(query_start_loc=torch.tensor([0, 6, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="20 query rows but a context of 10"):
+        attend(seq_lens=torch.tensor([6, 10], dtype=torch.int32))
+    _rejects_contexts_past_their_blocks(
+        meta, lambda lens, table: attend(seq_lens=lens, block_table=table))
+    with pytest.raises(RuntimeError, match="float32 expected"):
+        _prefill(meta, query.to(torch.bfloat16), key_cache.to(torch.bfloat16),
+                 value_cache.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="head_dim"):
+        _prefill(meta, torch.randn(26, 4, 48), *random_caches(meta, 16, KV_HEADS, 48))

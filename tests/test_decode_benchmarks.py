@@ -1,5 +1,6 @@
-"""The GPU decode benchmarks' smoke mode on the CPU: tiny models in the real shapes'
-architectures, every measurement taken, results written. No timing is asserted."""
+"""The GPU decode benchmarks' smoke mode on the CPU (tiny models in the real shapes'
+architectures, every measurement taken, results written) and the CPU prefill attention
+benchmark. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import bench.common
-from bench import decode_roofline, overlap
+from bench import decode_roofline, overlap, prefill_attention
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
 from gpu.model_config import ModelConfig
 
@@ -50,3 +51,13 @@ def test_decode_roofline_and_overlap_smoke(tmp_path, monkeypatch):
     rows = json.loads(path.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["step_ms_overlap_on"] > 0 and r["gpu_ms"] > 0 for r in rows)
+
+
+def test_prefill_attention_benchmark_smoke(tmp_path, monkeypatch):
+    """Every layout timed on both paths, and the two agree."""
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    result = prefill_attention.main(["--repeats", "1", "--name", "smoke"])
+    assert json.loads((tmp_path / "results" / "smoke.json").read_text())["runs"]
+    assert [r["layout"] for r in result["runs"]] == list(prefill_attention.layouts())
+    for run in result["runs"]:
+        assert run["kernel_ms"] > 0 and run["torch_ms"] > 0 and run["max_abs_diff"] < 1e-5

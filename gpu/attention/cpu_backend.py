@@ -1,9 +1,11 @@
 """The CPU attention backend: decode rows are attended in one pass over the paged cache by a
-C++ kernel (``gpu/cpu_attention.cpp``), and each step's keys and values are stored by another.
+C++ kernel (``gpu/cpu_attention.cpp``), every float32 prefill chunk of a step in one call by
+another (``gpu/cpu_prefill_attention.cpp``), and each step's keys and values are stored by a
+third.
 
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
-which gathers each decode row's context into a copy first. Prefill chunks take the torch path
-either way: they are compute-bound, and torch's fused attention runs them at GEMM speed.
+which gathers each request's context into a copy first and attends prefill chunks one request
+at a time.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
                                       meta.seq_lens, requests, query_rows, scale)
+
+
+    def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Every prefill chunk in one call, float32 only (torch's fused attention keeps the
+        half-precision ones, which it runs on the CPU's bfloat16 units where there are any)."""
+        if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
+                and self.kernels.decode_attention_supports(query.shape[-1])):
+            return super()._prefill(query, key_cache, value_cache, meta, scale, out)
+        self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
+                                       meta.seq_lens, meta.query_start_loc,
+                                       meta.prefill_requests_cpu, scale)
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:

@@ -45,6 +45,17 @@ class AttentionMetadata:
         return [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] == 1]
 
     @functools.cached_property
+    def prefill_requests(self) -> list[int]:
+        """The requests with more than one query row this step (prefill chunks)."""
+        qsl = self.query_start_loc_cpu
+        return [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+
+    @functools.cached_property
+    def prefill_requests_cpu(self) -> torch.Tensor:
+        """``prefill_requests`` as an int64 CPU tensor, built once a step for the kernels."""
+        return torch.tensor(self.prefill_requests, dtype=torch.int64)
+
+    @functools.cached_property
     def decode_rows_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode requests and their query rows as int64 CPU tensors, for kernels that
         take index tensors: built once a step, not once a layer."""

@@ -30,18 +30,23 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         out = torch.empty_like(query)
-        out[qsl[-1]:].zero_()  # padding rows; every request's rows are written below
+        # padding rows; every request's rows are written below
+        out[meta.query_start_loc_cpu[-1]:].zero_()
         if meta.decode_requests:
             self._decode(query, key_cache, value_cache, meta, scale, out)
-        for i in range(meta.num_reqs):
-            if qsl[i + 1] - qsl[i] > 1:
-                start, end = qsl[i], qsl[i + 1]
-                k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
-                out[start:end] = _attend_sdpa(query[start:end], k, v, scale,
-                                              lens[i] - (end - start))
+        if meta.prefill_requests:
+            self._prefill(query, key_cache, value_cache, meta, scale, out)
         return out
+
+    def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """The step's prefill chunks (``meta.prefill_requests``), one request at a time."""
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in meta.prefill_requests:
+            start, end = qsl[i], qsl[i + 1]
+            k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
+            out[start:end] = _attend_sdpa(query[start:end], k, v, scale, lens[i] - (end - start))
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:

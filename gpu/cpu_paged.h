@@ -1,0 +1,77 @@
+// What the paged-attention kernels (cpu_attention.cpp for decode rows,
+// cpu_prefill_attention.cpp for prefill chunks) share: the checks of their common inputs, made
+// before any index is used, and where a request's context positions sit in the cache.
+//
+// Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
+// [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
+// seq_lens [requests] int32.
+#pragma once
+
+#include "cpu_kernels.h"
+#include "cpu_vec.h"
+
+#include <ATen/MemoryOverlap.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace tidal {
+
+inline void check_paged_attention_inputs(const torch::Tensor& out, const torch::Tensor& query,
+                                         const torch::Tensor& key_cache,
+                                         const torch::Tensor& value_cache,
+                                         const torch::Tensor& block_table,
+                                         const torch::Tensor& seq_lens) {
+  for (const auto& t : {out, query, key_cache, value_cache, block_table, seq_lens})
+    TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
+  for (const auto& x : {out, query})
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                    x.sizes() == query.sizes() && x.scalar_type() == key_cache.scalar_type(),
+                "query/out must be [tokens, heads, head_dim] in the cache's dtype, rows "
+                "contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "caches must be contiguous 4-D tensors of one shape and dtype");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && decode_attention_supports(query.size(2)),
+              "head_dim must match the cache and be one of 32, 64, 80, 96, 128, 256");
+  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
+              "heads must be a multiple of kv heads");
+  // Rows are written by several threads while others read their queries: each row of out
+  // must be its own memory, and out may be query itself but not overlap it otherwise.
+  at::assert_no_internal_overlap(out);
+  at::assert_no_partial_overlap(out, query);
+  at::assert_no_overlap(out, key_cache);
+  at::assert_no_overlap(out, value_cache);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt32 &&
+                  block_table.stride(1) == 1,
+              "block_table must be 2-D int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32");
+}
+
+// Request r's context of len positions fits its row of the block table, whose blocks exist.
+inline void check_context(const torch::Tensor& block_table, int64_t num_blocks,
+                          int64_t block_size, int64_t r, int64_t len) {
+  TORCH_CHECK(len >= 1 && len <= block_table.size(1) * block_size, "seq_len ", len,
+              " of request ", r, " exceeds the block table");
+  const int32_t* row = block_table.data_ptr<int32_t>() + r * block_table.stride(0);
+  for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block ", row[b], " out of range");
+}
+
+// Where each position of a row's context starts in the cache (in elements), padded to a whole
+// number of 16 positions by repeating the last: the kernels always read 16 key rows (the
+// padded lanes are then masked), so their loops unroll with every index known at compile time.
+inline void context_offsets(const int32_t* blocks, int64_t len, int64_t block_size,
+                            int64_t block_stride, int64_t token_stride,
+                            std::vector<int64_t>& offsets) {
+  offsets.resize((len + kLanes - 1) / kLanes * kLanes);
+  for (int64_t b = 0, p = 0; p < len; ++b) {
+    const int64_t base = blocks[b] * block_stride;
+    for (int64_t t = 0; t < block_size && p < len; ++t, ++p) offsets[p] = base + t * token_stride;
+  }
+  std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+}
+
+}  // namespace tidal
