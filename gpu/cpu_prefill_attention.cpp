@@ -133,15 +133,16 @@ void tile_values(float* ot, vec16 alpha, const vec16 p[kLanes], const float* val
   }
 }
 
-// One item over its context: qt [DIM][16] (scaled queries), positions[k] the position of row k;
-// leaves the unnormalised output in ot [DIM][16] and returns the softmax sums.
+// One item over its context: qt [DIM][16] (scaled queries), positions[k] the position of row k,
+// in increasing order; leaves the unnormalised output in ot [DIM][16] and returns the softmax
+// sums.
 template <int DIM>
-vec16 attend_rows(const float* qt, vec16 positions, float last_position, const float* keys,
-                  const float* values, const int64_t* offsets, float* ot) {
+vec16 attend_rows(const float* qt, vec16 positions, const float* keys, const float* values,
+                  const int64_t* offsets, float* ot) {
   std::fill(ot, ot + DIM * kLanes, 0.f);
   vec16 running_max = splat(kMinusInf), sums{};
-  const float first_position = positions[0];  // rows go in position order
-  const int64_t end = static_cast<int64_t>(last_position) + 1;
+  const float first_position = positions[0];
+  const int64_t end = static_cast<int64_t>(positions[kLanes - 1]) + 1;  // keys to attend
   for (int64_t k0 = 0; k0 < end; k0 += kLanes) {
     vec16 s[kLanes], p[kLanes];
     tile_scores<DIM>(qt, keys, offsets + k0, s);
@@ -216,9 +217,8 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
         offsets_of = item.request;
       }
       const int64_t kv_offset = item.kv_head * DIM;
-      const vec16 sums = attend_rows<DIM>(qt.data(), positions, positions[kLanes - 1],
-                                          keys + kv_offset, values + kv_offset, offsets.data(),
-                                          ot.data());
+      const vec16 sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
+                                          values + kv_offset, offsets.data(), ot.data());
       for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not 16
         tidal::store(ot.data() + d * kLanes, tidal::load(ot.data() + d * kLanes) / sums);
       for (int64_t k = 0; k < rows; ++k) {

@@ -42,11 +42,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
                                       meta.seq_lens, requests, query_rows, scale)
 
-
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        """Every prefill chunk in one call, float32 only (torch's fused attention keeps the
-        half-precision ones, which it runs on the CPU's bfloat16 units where there are any)."""
+        """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
+        attention keeps the half-precision chunks."""
         if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])):
             return super()._prefill(query, key_cache, value_cache, meta, scale, out)
