@@ -12,6 +12,10 @@ Workloads (greedy, EOS ignored, prompts are text of exact token lengths):
 - ``mixed``: short chats at ``--mixed-concurrency`` while long prompts arrive one at a time;
   the short ones' p99 ITL shows how well long prefills are chunked around them.
 
+With ``--repeats N`` every workload runs N rounds, the servers alternating, and each server's
+median round (by output tok/s) is the one reported, beside every round's output tok/s: a
+single run of a few seconds moves with the host's load.
+
     python -m bench.serving_comparison --quick          # a smoke run, about a minute
     python -m bench.serving_comparison                  # the full run, 15-30 min on 2 cores
     python -m bench.serving_comparison --model default --peer none
@@ -127,8 +131,9 @@ def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) 
 def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
                 prepared: list[tuple[Scenario, dict[str, RequestClass]]], tokenizer: Any,
                 reports: dict[str, dict[str, dict]], runs: dict[str, dict]) -> None:
-    """Start ``kinds`` together, then run every scenario on each of them in turn, so that
-    a change in the machine's load hits them alike. An idle server costs no CPU."""
+    """Start ``kinds`` together, then run every scenario on each of them in turn (``--repeats``
+    rounds of it), so that a change in the machine's load hits them alike. An idle server
+    costs no CPU."""
     servers: dict[str, LaunchedServer] = {}
     try:
         for kind in kinds:
@@ -141,17 +146,37 @@ def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
             runs[kind]["ready_after_s"] = time.perf_counter() - started
             warm_up(server, kind, tokenizer, args.warmup)
         for scenario, classes in prepared:
-            for kind, server in servers.items():
-                t0 = time.perf_counter()
-                report = asyncio.run(run_classes(server.url, server.model, classes, kind,
-                                                 quantiles=True))
-                report["load_average_after"] = round(os.getloadavg()[0], 2)
-                reports.setdefault(kind, {})[scenario.name] = report
-                _progress(kind, scenario, report, time.perf_counter() - t0)
+            rounds: dict[str, list[dict]] = {kind: [] for kind in servers}
+            for _ in range(args.repeats):
+                for kind, server in servers.items():
+                    t0 = time.perf_counter()
+                    report = asyncio.run(run_classes(server.url, server.model, classes, kind,
+                                                     quantiles=True))
+                    report["load_average_after"] = round(os.getloadavg()[0], 2)
+                    rounds[kind].append(report)
+                    _progress(kind, scenario, report, time.perf_counter() - t0)
+            for kind, reps in rounds.items():
+                reports.setdefault(kind, {})[scenario.name] = median_round(reps)
     finally:
         for kind, server in servers.items():
             server.stop()
             runs[kind]["load_average_end"] = os.getloadavg()[0]
+
+
+def total_output_tok_s(report: dict) -> float:
+    return sum(c["output_token_throughput_per_s"] for c in report["classes"].values())
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round with the median output tok/s (the lower middle of an even count), so that
+    every figure reported for a workload comes from one coherent run. With several rounds,
+    each one's output tok/s is kept beside it, in the order they ran."""
+    totals = [total_output_tok_s(r) for r in rounds]
+    order = sorted(range(len(rounds)), key=totals.__getitem__)
+    chosen = rounds[order[(len(rounds) - 1) // 2]]
+    if len(rounds) == 1:
+        return chosen
+    return chosen | {"round_output_tok_per_s": [round(t, 1) for t in totals]}
 
 
 def _progress(kind: str, scenario: Scenario, report: dict, seconds: float) -> None:
@@ -208,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-output-len", type=int, default=32)
     ap.add_argument("--mixed-concurrency", type=int, default=8)
     ap.add_argument("--mixed-input-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every workload on each server, alternating; each server's "
+                    "median round by output tok/s is reported, every round's tok/s kept")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per server")
     ap.add_argument("--name", default=None, help="results basename (default: "
                     "serving_comparison, or serving_comparison-quick with --quick)")
@@ -225,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if "--" + key.replace("_", "-") not in given:
                 setattr(args, key, value)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.peer_arg is None:
         args.peer_arg = ["--device", "cpu"]
     args.name = args.name or ("serving_comparison-quick" if args.quick
@@ -288,7 +318,7 @@ def main(argv: list[str] | None = None) -> Path:
             "peer_args": args.peer_arg if args.peer != "none" else None,
             "load_average": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
             "cpu_count": os.cpu_count(), "notes": args.note, "argv": sys.argv[1:],
-            "interleaved": args.interleave, "runs": runs},
+            "interleaved": args.interleave, "repeats": args.repeats, "runs": runs},
         "scenarios": [asdict(s) | {"reports": {k: reports[k].get(s.name) for k in kinds}}
                       for s in scenarios],
     }

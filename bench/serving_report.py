@@ -100,4 +100,22 @@ def markdown(result: dict[str, Any], ours: str = "tidal", peer: str = "transform
         parts += [f"## Ratios {ours} / {peer} (throughput: higher is better; latency: lower "
                   "is better)", "", ratio_table(result, ours, peer), ""]
     parts += ["## Absolute numbers", "", absolute_table(result), ""]
+    rounds = rounds_table(result)
+    if rounds:
+        parts += ["## Rounds", "", "Each server's median round is the one reported above.",
+                  "", rounds, ""]
     return "\n".join(parts)
+
+
+def rounds_table(result: dict[str, Any]) -> str:
+    """Every round's output tok/s per workload and server, when workloads ran repeatedly."""
+    lines = []
+    for scenario in result["scenarios"]:
+        for server, rep in scenario["reports"].items():
+            if rep and rep.get("round_output_tok_per_s"):
+                tok_s = ", ".join(f"{v:.1f}" for v in rep["round_output_tok_per_s"])
+                lines.append(f"| {scenario['name']} | {server} | {tok_s} |")
+    if not lines:
+        return ""
+    return "\n".join(["| workload | server | output tok/s of each round |", "|---|---|---|",
+                      *lines])

@@ -170,6 +170,19 @@ def test_ratios_table_and_plots(tmp_path: Path) -> None:
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_median_round_is_reported_with_every_rounds_figure() -> None:
+    rounds = [_fake_report(tok_s, ttft) for tok_s, ttft in ((300, 1), (100, 2), (200, 3))]
+    chosen = harness.median_round(rounds)
+    assert chosen["classes"]["all"]["ttft"]["median_ms"] == 3  # the 200 tok/s round
+    assert chosen["round_output_tok_per_s"] == [300, 100, 200]
+    assert harness.median_round(rounds[:2])["classes"]["all"]["ttft"]["median_ms"] == 2
+    assert "round_output_tok_per_s" not in harness.median_round(rounds[:1])
+    result = {"scenarios": [{"name": "c32-in32", "reports": {"tidal": chosen}}]}
+    assert "| c32-in32 | tidal | 300.0, 100.0, 200.0 |" in markdown(result)
+    assert "## Rounds" not in markdown({"scenarios": [
+        {"name": "c1-in32", "reports": {"tidal": rounds[0]}}]})
+
+
 @pytest.mark.slow
 def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,14 +190,15 @@ def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     path = harness.main(["--quick", "--peer", "none", "--model", str(tiny_model),
                          "--long-len", "300", "--output-len", str(OUT), "--name", "smoke",
-                         "--server-arg=--kv-cache-memory=8MiB"])
+                         "--server-arg=--kv-cache-memory=8MiB", "--repeats", "2"])
     result = json.loads(path.read_text())
     names = [s["name"] for s in result["scenarios"]]
     assert names == ["c1-in32", "c4-in32", "shared-prefix", "mixed"]
     for scenario in result["scenarios"]:
         for cls in scenario["reports"]["tidal"]["classes"].values():
             assert cls["failed"] == 0 and cls["completed"] > 0
-    assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5
+        assert len(scenario["reports"]["tidal"]["round_output_tok_per_s"]) == 2
+    assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5 + 4  # 4 in Rounds
     assert (tmp_path / "smoke_throughput.png").is_file()
 
 
