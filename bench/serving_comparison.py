@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,10 @@ from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
 
 PEERS = ("transformers", "none")
+# Scenario seeds are 1,000 apart (``plan``); a round's prompts take seed + 10 x round (a scenario
+# uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.
+ROUND_SEED_STEP = 10
+MAX_REPEATS = 99
 
 
 @dataclass
@@ -93,6 +97,14 @@ def _num_requests(args: argparse.Namespace, concurrency: int) -> int:
     return max(args.min_requests, args.requests_per_concurrency * concurrency)
 
 
+def rounds_of(scenario: Scenario, tokenizer: Any, repeats: int
+              ) -> list[dict[str, RequestClass]]:
+    """The request classes of each round, every round with prompts of its own: repeated
+    prompts would hit tidal's prefix cache from the second round on."""
+    return [request_classes(replace(scenario, seed=scenario.seed + ROUND_SEED_STEP * r),
+                            tokenizer) for r in range(repeats)]
+
+
 def request_classes(scenario: Scenario, tokenizer: Any) -> dict[str, RequestClass]:
     s = scenario
     prefix = ""
@@ -129,7 +141,8 @@ def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) 
 
 
 def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
-                prepared: list[tuple[Scenario, dict[str, RequestClass]]], tokenizer: Any,
+                prepared: list[tuple[Scenario, list[dict[str, RequestClass]]]],
+                tokenizer: Any,
                 reports: dict[str, dict[str, dict]], runs: dict[str, dict]) -> None:
     """Start ``kinds`` together, then run every scenario on each of them in turn (``--repeats``
     rounds of it), so that a change in the machine's load hits them alike. An idle server
@@ -145,9 +158,9 @@ def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
             server.wait_ready()
             runs[kind]["ready_after_s"] = time.perf_counter() - started
             warm_up(server, kind, tokenizer, args.warmup)
-        for scenario, classes in prepared:
+        for scenario, round_classes in prepared:
             rounds: dict[str, list[dict]] = {kind: [] for kind in servers}
-            for _ in range(args.repeats):
+            for classes in round_classes:
                 for kind, server in servers.items():
                     t0 = time.perf_counter()
                     report = asyncio.run(run_classes(server.url, server.model, classes, kind,
@@ -253,8 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if "--" + key.replace("_", "-") not in given:
                 setattr(args, key, value)
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        ap.error(f"--repeats must be between 1 and {MAX_REPEATS}")
     if args.peer_arg is None:
         args.peer_arg = ["--device", "cpu"]
     args.name = args.name or ("serving_comparison-quick" if args.quick
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> Path:
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     scenarios = plan(args)
-    prepared = [(s, request_classes(s, tokenizer)) for s in scenarios]
+    prepared = [(s, rounds_of(s, tokenizer, args.repeats)) for s in scenarios]
     kinds = ["tidal"] if args.peer == "none" else ["tidal", args.peer]
     if args.order == "peer-first":
         kinds.reverse()

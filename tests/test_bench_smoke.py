@@ -170,6 +170,20 @@ def test_ratios_table_and_plots(tmp_path: Path) -> None:
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_every_round_has_prompts_of_its_own(tokenizer: Any) -> None:
+    """Repeated prompts would hit tidal's prefix cache from the second round on: no two
+    rounds of a workload share a first block (16 tokens) of any prompt."""
+    args = harness.parse_args(["--quick", "--repeats", "3"])
+    for scenario in harness.plan(args):
+        heads = [{tuple(tokenizer(p)["input_ids"][:16]) for c in classes.values()
+                  for p in c.prompts}
+                 for classes in harness.rounds_of(scenario, tokenizer, args.repeats)]
+        assert len(heads) == 3
+        assert all(not (heads[i] & heads[j]) for i in range(3) for j in range(i + 1, 3))
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--repeats", "0"])
+
+
 def test_median_round_is_reported_with_every_rounds_figure() -> None:
     rounds = [_fake_report(tok_s, ttft) for tok_s, ttft in ((300, 1), (100, 2), (200, 3))]
     chosen = harness.median_round(rounds)
