@@ -171,3 +171,24 @@ def test_bad_token_id_raises(tokenizer):
     assert issubclass(DetokenizationError, ValueError)
 
 
+
+
+class _CountingLength(PlainTokenizer):
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.lengths_taken = 0
+
+    def __len__(self) -> int:
+        self.lengths_taken += 1
+        return super().__len__()
+
+
+def test_vocabulary_counted_once_per_tokenizer(tokenizer):
+    """A fast tokenizer rebuilds its vocabulary to count it (11 ms at 152K tokens), so the
+    count is taken once, not per request."""
+    counting = _CountingLength(tokenizer)
+    for _ in range(3):
+        detok = IncrementalDetokenizer(counting, [5, 6], SamplingParams())
+        with pytest.raises(DetokenizationError):
+            detok.update([len(tokenizer)], finished=False)
+    assert counting.lengths_taken == 1
