@@ -28,21 +28,35 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
+_HANDED_OUT: set[int] = set()
+# What a server prints when another process took its port between free_port() and its bind.
+PORT_TAKEN = b"Address already in use"
+LAUNCH_ATTEMPTS = 3
+
+
 def free_port() -> int:
-    """A loopback TCP port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback TCP port nothing listens on now, and not handed out before in this process
+    (servers started together get different ports)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class LaunchedServer:
     """A server process on a free loopback port; subclasses change ``command``."""
 
     def __init__(self, model: str, server_args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.server_args = list(server_args)
+        self._launch()
+
+    def _launch(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT,
@@ -53,14 +67,27 @@ class LaunchedServer:
                 str(self.port), *self.server_args]
 
     def wait_ready(self, timeout: float = 600.0) -> None:
+        """Wait for /health; a server whose port was taken before it could bind is started
+        again on another port (``url`` changes)."""
         deadline = time.monotonic() + timeout
+        for _ in range(LAUNCH_ATTEMPTS):
+            if self._wait_once(deadline):
+                return
+            self._launch()
+        raise RuntimeError(f"no free port after {LAUNCH_ATTEMPTS} tries")
+
+    def _wait_once(self, deadline: float) -> bool:
+        """True once /health answers; False if the server exited because its port was taken."""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {Path(self.log.name).read_text()}")
+                log = Path(self.log.name).read_bytes()
+                if PORT_TAKEN in log:
+                    return False
+                raise RuntimeError(f"the server exited: {log.decode(errors='replace')}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
-                        return
+                        return True
             except OSError:  # refused while starting, or an HTTP error status
                 pass
             time.sleep(0.5)

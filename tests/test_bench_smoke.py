@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,49 @@ def test_profile_step_on_tiny_model(tiny_model: Path) -> None:
         assert shares == sorted(shares, reverse=True)
         assert 0 < p.overhead_share < 1
         assert len(p.functions) == 3
+
+
+_HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class _PortTakenFirst(LaunchedServer):
+    """A stand-in server: its first process finds its port taken, the next serves /health;
+    with ``other_failure`` the first exits for another reason."""
+
+    def __init__(self, other_failure: bool = False) -> None:
+        self.other_failure = other_failure
+        self.launched_ports: list[int] = []
+        super().__init__("model", [])
+
+    def command(self) -> list[str]:
+        self.launched_ports.append(self.port)
+        if len(self.launched_ports) == 1:
+            said = "out of memory" if self.other_failure else "[Errno 98] Address already in use"
+            return [sys.executable, "-c", f"print('OSError: {said}'); raise SystemExit(1)"]
+        return [sys.executable, "-c", _HEALTH_SERVER, str(self.port)]
+
+
+def test_server_whose_port_was_taken_starts_again_on_another():
+    server = _PortTakenFirst()
+    try:
+        server.wait_ready(timeout=60)
+        first, second = server.launched_ports
+        assert first != second and server.url.endswith(f":{second}")
+    finally:
+        server.stop()
+
+
+def test_server_failing_otherwise_is_reported_with_its_log():
+    server = _PortTakenFirst(other_failure=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        server.wait_ready(timeout=60)
+    assert len(server.launched_ports) == 1
