@@ -83,8 +83,11 @@ class ModelRunner:
             budget = self._free_gpu_memory_for_kv()
         num_blocks = budget // per_block
         if num_blocks < 1:
+            hint = ("raise kv_cache_memory" if self.device == "cpu" or self.config.kv_cache_memory
+                    else "free GPU memory (other engines or processes hold it), raise "
+                         "gpu_memory_utilization or set kv_cache_memory")
             raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
-                             f"{per_block} bytes; raise kv_cache_memory")
+                             f"{per_block} bytes; {hint}")
         return int(num_blocks)
 
     def _free_gpu_memory_for_kv(self) -> int:
@@ -95,9 +98,13 @@ class ModelRunner:
         self.profile_run()
         torch.cuda.empty_cache()  # the profile's activations count once, in peak_extra
         free, total = torch.cuda.mem_get_info()
-        used = total - free
+        used = total - free  # by every process on the device, this one's weights included
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        return max(0, int(total * self.config.gpu_memory_utilization) - used - peak_extra)
+        budget = int(total * self.config.gpu_memory_utilization) - used - peak_extra
+        logger.info("GPU memory: %.2f of %.2f GiB in use, %.2f GiB of activations at peak; "
+                    "%.2f GiB for the KV cache", used / 2**30, total / 2**30,
+                    peak_extra / 2**30, max(0, budget) / 2**30)
+        return max(0, budget)
 
     def profile_run(self) -> None:
         """A forward at the largest token batch, to measure peak activation memory."""

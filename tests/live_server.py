@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -26,13 +27,16 @@ ABORTS = 'tidal:request_success_total{finished_reason="abort"}'
 EVENT = re.compile(rb"data: ([^\n]+)\n\n")
 CHAT = [{"role": "user", "content": "Tell me a joke"}]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# TIDAL_TEST_DEVICE=cuda serves the integration tests from the GPU (a 256 MiB KV cache each)
+DEVICE_ARGS = ([] if os.environ.get("TIDAL_TEST_DEVICE", "cpu") == "cpu" else
+               ["--device", os.environ["TIDAL_TEST_DEVICE"], "--kv-cache-memory", "256MiB"])
 
 
 @contextlib.contextmanager
 def running_server(model_dir: Path, *args: str, timeout: float = 300.0
                    ) -> Iterator[LaunchedServer]:
     """The server on ``model_dir`` with ``args``, on a free port, once /health answers."""
-    server = LaunchedServer(str(model_dir), list(args))
+    server = LaunchedServer(str(model_dir), [*DEVICE_ARGS, *args])
     try:
         server.wait_ready(timeout)
         yield server

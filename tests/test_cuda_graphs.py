@@ -37,7 +37,9 @@ def test_capture_sizes_cover_every_batch_in_steps_of_16():
     assert all(b - a == 16 for a, b in zip(sizes[4:], sizes[5:]))
 
 
-class _EagerReplay:
+class _CountedReplay:
+    """A graph stand-in that counts its replays; ``run`` does the replay's work."""
+
     def __init__(self, run) -> None:
         self.run = run
         self.count = 0
@@ -53,7 +55,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
     def _capture_one(self, size: int, meta: AttentionMetadata):
         ids, positions = self.input_ids[:size], self.positions[:size]
         out = self.forward(ids, positions, meta)
-        return _EagerReplay(lambda: out.copy_(self.forward(ids, positions, meta))), out
+        return _CountedReplay(lambda: out.copy_(self.forward(ids, positions, meta))), out
 
 
 def _echo(input_ids: torch.Tensor, positions: torch.Tensor,
@@ -98,9 +100,11 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
     prompts = [[7 + i for i in range(n)] for n in (3, 17, 33, 50)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (3, 5, 7, 9)]
-    expected = LLM(path, attention_backend="torch").generate(prompts, params, use_tqdm=False)
-
-    llm = LLM(path, attention_backend="triton", max_num_seqs=8)
+    on = {"device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": "float32",
+          "kv_cache_memory": 64 << 20}
+    expected = LLM(path, attention_backend="torch", **on).generate(prompts, params,
+                                                                   use_tqdm=False)
+    llm = LLM(path, attention_backend="triton", max_num_seqs=8, enforce_eager=True, **on)
     runner = llm.engine.runner
     graphs = EmulatedGraphRunner(runner._run_model, 8, runner.max_blocks_per_req,
                                  runner.max_model_len, runner.device)
@@ -110,3 +114,28 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     replays = {size: g.count for size, g in graphs.graphs.items()}
     assert replays[4] >= 2 and replays[2] >= 1 and replays[1] >= 1 and replays[8] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs")
+def test_real_cuda_graphs_give_the_eager_tokens(tmp_path):
+    """On a GPU: the engine's captured decode graphs replay to the tokens and logprobs of an
+    eager run, across batch sizes that shrink as requests finish."""
+    path = str(build_model_dir(tmp_path / "llama", "llama"))
+    prompts = [[7 + i for i in range(n)] for n in (3, 17, 33, 50, 90)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2)
+              for m in (3, 9, 17, 25, 40)]
+    common = {"device": "cuda", "dtype": "float32", "kv_cache_memory": 64 << 20}
+    expected = LLM(path, enforce_eager=True, **common).generate(prompts, params,
+                                                                use_tqdm=False)
+    llm = LLM(path, max_num_seqs=8, **common)
+    graphs = llm.engine.runner.cuda_graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    graphs.graphs = {size: _CountedReplay(g.replay) for size, g in graphs.graphs.items()}
+    got = llm.generate(prompts, params, use_tqdm=False)
+    replays = {size: g.count for size, g in graphs.graphs.items()}
+    assert replays[8] >= 2 and replays[1] >= 10 and sum(replays.values()) >= 38, replays
+    for ours, ref in zip(got, expected):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for mine, theirs in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)

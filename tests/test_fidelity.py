@@ -3,6 +3,7 @@ batching, chunking, prefix caching or preemption."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -14,6 +15,8 @@ from gpu.model_config import ModelConfig
 from gpu.random_model import build_model_dir
 
 NEW_TOKENS = 32
+# "cuda" runs both sides on the GPU (float32, Triton attention, CUDA graphs, async scheduling)
+DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cpu")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 MODELS = {
@@ -46,7 +49,7 @@ def _model(name: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
     if name not in _BUILT:
         arch, overrides = MODELS[name]
         path = build_model_dir(tmp_path_factory.mktemp(name), arch, **overrides)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
         hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
         hf.reference_cache = {}
         _BUILT[name] = (str(path), hf)
@@ -72,11 +75,19 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 def _run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                      output_logits=True,
+    out = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=NEW_TOKENS,
+                      do_sample=False, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=0)
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).cpu()
     return out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    """Our engine on the test device, in float32 like the reference (on a GPU with a fixed
+    256 MiB KV cache, so the engines a session builds fit side by side)."""
+    if DEVICE != "cpu":
+        kwargs.setdefault("kv_cache_memory", 256 << 20)
+    return LLM(path, device=DEVICE, dtype="float32", **kwargs)
 
 
 def _check_against_hf(hf, llm: LLM, prompts: list[list[int]]) -> None:
@@ -99,12 +110,12 @@ def _check_against_hf(hf, llm: LLM, prompts: list[list[int]]) -> None:
 
 def test_matches_hf_in_one_batch(model):
     path, hf = model
-    _check_against_hf(hf, LLM(path), _prompts(0))
+    _check_against_hf(hf, _llm(path), _prompts(0))
 
 
 def test_matches_hf_with_prefix_cache_hits(model):
     path, hf = model
-    llm = LLM(path, enable_prefix_caching=True)
+    llm = _llm(path, enable_prefix_caching=True)
     prompts = _prompts(1, shared_prefix=40)
     llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm the cache
     _check_against_hf(hf, llm, prompts)
@@ -114,13 +125,13 @@ def test_matches_hf_with_prefix_cache_hits(model):
 @pytest.mark.slow
 def test_matches_hf_under_chunked_prefill(core_model):
     path, hf = core_model
-    _check_against_hf(hf, LLM(path, max_num_batched_tokens=24), _prompts(0))
+    _check_against_hf(hf, _llm(path, max_num_batched_tokens=24), _prompts(0))
 
 
 @pytest.mark.slow
 def test_matches_hf_under_preemption(core_model):
     path, hf = core_model
-    llm = LLM(path, kv_cache_memory=_twenty_blocks(path))
+    llm = _llm(path, kv_cache_memory=_twenty_blocks(path))
     assert llm.engine.kv.num_blocks == 20
     _check_against_hf(hf, llm, _prompts(0))
     assert llm.engine.stats().num_preemptions > 0
@@ -130,14 +141,14 @@ def test_matches_hf_under_preemption(core_model):
 @pytest.mark.slow
 def test_matches_hf_with_two_seqs_at_a_time(core_model):
     path, hf = core_model
-    _check_against_hf(hf, LLM(path, max_num_seqs=2), _prompts(0))
+    _check_against_hf(hf, _llm(path, max_num_seqs=2), _prompts(0))
 
 
 @pytest.mark.slow
 def test_matches_hf_with_async_scheduling_under_preemption_and_chunking(core_model):
     path, hf = core_model
-    llm = LLM(path, async_scheduling=True, max_num_batched_tokens=48,
-              kv_cache_memory=_twenty_blocks(path))
+    llm = _llm(path, async_scheduling=True, max_num_batched_tokens=48,
+               kv_cache_memory=_twenty_blocks(path))
     _check_against_hf(hf, llm, _prompts(0))
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv.pool.num_free_blocks == 20
@@ -147,8 +158,8 @@ def test_async_scheduling_survives_aborts_and_frees_blocks(tmp_path_factory):
     path, _ = _model("llama", tmp_path_factory)
     prompts = _prompts(5)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    sync_out = LLM(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
-    llm = LLM(path, async_scheduling=True, max_num_seqs=4)
+    sync_out = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = _llm(path, async_scheduling=True, max_num_seqs=4)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)

@@ -283,7 +283,8 @@ def test_llm_greedy_tokens_match_torch_backend(tmp_path):
     results = {}
     for name in ("torch", "triton"):  # triton with overlap, as on the GPU
         llm = LLM(path, attention_backend=name, max_num_batched_tokens=32, device=DEVICE,
-                  dtype="float32", async_scheduling=name == "triton")
+                  dtype="float32", async_scheduling=name == "triton",
+                  kv_cache_memory=64 << 20)  # on a GPU, room for both engines
         llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
         results[name] = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.stats().prefix_cache_hits > 0
