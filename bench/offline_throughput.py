@@ -1,12 +1,14 @@
 """Offline throughput: the same prompts through ``LLM.generate`` and through HF ``generate``.
 
 HF runs padded static batches (left padding); both produce exactly ``--output-len`` tokens per
-prompt (EOS ignored), in the same ``--dtype``. Each side runs in a fresh process of its own, so
-neither inherits the other's allocator state, thread pools or warm caches. Prints and writes
-``bench/results/offline_throughput.json`` (``offline_throughput-bfloat16.json`` with
-``--dtype bfloat16``).
+prompt (EOS ignored), in the same ``--dtype`` on the same ``--device``. Each side runs in a
+fresh process of its own, so neither inherits the other's allocator state, thread pools or warm
+caches. Prints and writes ``bench/results/offline_throughput.json`` (the name gains
+``-<device>``, ``-<shape>`` and ``-<dtype>`` where those are not the CPU defaults).
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
+    python -m bench.offline_throughput --device cuda --shape qwen2.5-0.5b --dtype bfloat16 \
+        --num-prompts 1024 --max-num-seqs 256 --hf-batch-size 128
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.common import bench_model_dir, random_prompts, write_result
+from bench.model_shapes import SHAPES, build_shaped_model_dir
 from core import LLM, SamplingParams
 
 
 def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
-             max_num_seqs: int, max_num_batched_tokens: int, dtype: str) -> dict:
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
+             max_num_seqs: int, max_num_batched_tokens: int, dtype: str, device: str) -> dict:
+    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(warm, params, use_tqdm=False)  # other prompts: no prefix-cache hits later
@@ -44,23 +47,26 @@ def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output
 
 @torch.inference_mode()
 def run_hf(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
-           batch_size: int, dtype: str) -> dict:
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+           batch_size: int, dtype: str, device: str) -> dict:
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
 
     def batch_generate(batch: list[list[int]]) -> int:
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=device)
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
                           do_sample=False)
-        return (out.shape[1] - width) * len(batch)
+        return (out.shape[1] - width) * len(batch)  # the shape: no device sync
 
     batch_generate(warm)
     start = time.perf_counter()
     tokens = sum(batch_generate(prompts[i:i + batch_size])
                  for i in range(0, len(prompts), batch_size))
+    if device != "cpu":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
             "batch_size": batch_size}
@@ -70,6 +76,13 @@ def in_fresh_process(fn: Callable[..., dict], *args: object) -> dict:
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(fn, *args).result()
+
+
+def _model_dir(shape: str | None) -> str:
+    root = tempfile.gettempdir()
+    if shape is None:
+        return str(bench_model_dir(root + "/tidal-bench-llama"))
+    return str(build_shaped_model_dir(f"{root}/tidal-shapes/{shape}", shape))
 
 
 def main() -> None:
@@ -86,21 +99,26 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and activations on both sides")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda, for both sides")
+    ap.add_argument("--shape", choices=list(SHAPES),
+                    help="a random-weight model in this real model's shape (bfloat16 weights)")
     args = ap.parse_args()
 
-    model = args.model or str(bench_model_dir(tempfile.gettempdir() + "/tidal-bench-llama"))
+    model = args.model or _model_dir(args.shape)
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=8000)
     warm = random_prompts(4, args.min_len, args.max_len, vocab=8000, seed=1)
     ours = in_fresh_process(run_ours, model, prompts, warm, args.output_len, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.dtype)
+                            args.max_num_batched_tokens, args.dtype, args.device)
     print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
           f"overhead {100 * ours['overhead_share']:.1f}% of step time")
     hf = in_fresh_process(run_hf, model, prompts, warm, args.output_len, args.hf_batch_size,
-                          args.dtype)
+                          args.dtype, args.device)
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
     print(f"ratio tidal / HF: {ratio:.2f}x")
-    name = "offline_throughput" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    parts = [args.device.split(":")[0] if args.device != "cpu" else None, args.shape,
+             None if args.dtype == "float32" else args.dtype]
+    name = "-".join(["offline_throughput", *filter(None, parts)])
     path = write_result(name, {
         "workload": vars(args) | {"model": model}, "tidal": ours, "hf_generate": hf,
         "ratio_output_tok_per_s": ratio})
