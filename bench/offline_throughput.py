@@ -8,7 +8,7 @@ caches. Prints and writes ``bench/results/offline_throughput.json`` (the name ga
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
     python -m bench.offline_throughput --device cuda --shape qwen2.5-0.5b --dtype bfloat16 \
-        --num-prompts 1024 --max-num-seqs 256 --hf-batch-size 128
+        --num-prompts 512 --max-num-seqs 256 --hf-batch-size 128
 """
 
 from __future__ import annotations
