@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import subprocess
 import time
@@ -21,15 +20,15 @@ import openai
 
 from bench.processes import LaunchedServer
 from bench.server_metrics import parse_metrics
+from tests.device import GPU_TEST_KV_CACHE, TEST_DEVICE
 
 Metrics = dict[str, float]  # sample name with labels -> value
 ABORTS = 'tidal:request_success_total{finished_reason="abort"}'
 EVENT = re.compile(rb"data: ([^\n]+)\n\n")
 CHAT = [{"role": "user", "content": "Tell me a joke"}]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-# TIDAL_TEST_DEVICE=cuda serves the integration tests from the GPU (a 256 MiB KV cache each)
-DEVICE_ARGS = ([] if os.environ.get("TIDAL_TEST_DEVICE", "cpu") == "cpu" else
-               ["--device", os.environ["TIDAL_TEST_DEVICE"], "--kv-cache-memory", "256MiB"])
+DEVICE_ARGS = ([] if TEST_DEVICE == "cpu" else
+               ["--device", TEST_DEVICE, "--kv-cache-memory", str(GPU_TEST_KV_CACHE)])
 
 
 @contextlib.contextmanager

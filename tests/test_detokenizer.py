@@ -171,8 +171,6 @@ def test_bad_token_id_raises(tokenizer):
     assert issubclass(DetokenizationError, ValueError)
 
 
-
-
 class _CountingLength(PlainTokenizer):
     def __init__(self, tokenizer) -> None:
         super().__init__(tokenizer)

@@ -3,7 +3,6 @@ batching, chunking, prefix caching or preemption."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -13,10 +12,9 @@ from transformers import AutoModelForCausalLM
 from core import LLM, SamplingParams
 from gpu.model_config import ModelConfig
 from gpu.random_model import build_model_dir
+from tests.device import GPU_TEST_KV_CACHE, TEST_DEVICE
 
 NEW_TOKENS = 32
-# "cuda" runs both sides on the GPU (float32, Triton attention, CUDA graphs, async scheduling)
-DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cpu")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 MODELS = {
@@ -49,7 +47,7 @@ def _model(name: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
     if name not in _BUILT:
         arch, overrides = MODELS[name]
         path = build_model_dir(tmp_path_factory.mktemp(name), arch, **overrides)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
         hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
         hf.reference_cache = {}
         _BUILT[name] = (str(path), hf)
@@ -75,7 +73,7 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 def _run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=NEW_TOKENS,
+    out = hf.generate(torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=NEW_TOKENS,
                       do_sample=False, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=0)
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).cpu()
@@ -83,11 +81,11 @@ def _run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    """Our engine on the test device, in float32 like the reference (on a GPU with a fixed
-    256 MiB KV cache, so the engines a session builds fit side by side)."""
-    if DEVICE != "cpu":
-        kwargs.setdefault("kv_cache_memory", 256 << 20)
-    return LLM(path, device=DEVICE, dtype="float32", **kwargs)
+    """Our engine on the test device, in float32 like the reference (on a GPU: Triton
+    attention, CUDA graphs, async scheduling)."""
+    if TEST_DEVICE != "cpu":
+        kwargs.setdefault("kv_cache_memory", GPU_TEST_KV_CACHE)
+    return LLM(path, device=TEST_DEVICE, dtype="float32", **kwargs)
 
 
 def _check_against_hf(hf, llm: LLM, prompts: list[list[int]]) -> None:
