@@ -12,6 +12,7 @@ from gpu.decode_stack import runs_on_stack
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model
 from gpu.models.llama import LlamaForCausalLM
+from gpu.packed_linear import can_pack
 from gpu.random_model import build_model_dir
 from tests.paged_layout import paged_layout, random_caches
 
@@ -32,11 +33,12 @@ def model_dir(request, tmp_path_factory):
                            hidden_size=128)  # head_dim 32, which the decode kernel takes
 
 
-def _step(model: LlamaForCausalLM, query_lens: list[int], seed: int):
+def _step(model: LlamaForCausalLM, query_lens: list[int], seed: int,
+          dtype: torch.dtype = torch.float32):
     cfg = model.config
     meta = paged_layout(CONTEXTS, query_lens, BLOCK, seed=seed)
     torch.manual_seed(seed)
-    caches = [random_caches(meta, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    caches = [random_caches(meta, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype)
               for _ in range(cfg.num_layers)]
     ids = torch.randint(0, cfg.vocab_size, (meta.num_actual_tokens,))
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(CONTEXTS, query_lens)])
@@ -60,21 +62,28 @@ class Counted:
         return self.stack.forward(*args)
 
 
-def test_decode_step_is_bitwise_the_python_model(model_dir):
-    model = _load(model_dir)
+BF16_PACKED = pytest.mark.skipif(not can_pack("cpu", torch.bfloat16),
+                                 reason="oneDNN has no bfloat16 path on this CPU")
+STACK_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=BF16_PACKED)]
+
+
+@pytest.mark.parametrize("dtype", STACK_DTYPES)
+def test_decode_step_is_bitwise_the_python_model(model_dir, dtype):
+    model = _load(model_dir, dtype)
     assert model.decode_stack is not None
     stack = Counted(model.decode_stack)
     for seed in range(3):
-        ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed)
+        ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed, dtype)
         python = _forward(model, None, ids, positions, caches, meta)
         ours = _forward(model, stack, ids, positions, caches, meta)
         assert stack.calls == seed + 1
         assert torch.equal(ours, python)
 
 
-def test_the_stack_writes_the_step_keys_and_values(model_dir):
-    model = _load(model_dir)
-    ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed=4)
+@pytest.mark.parametrize("dtype", STACK_DTYPES)
+def test_the_stack_writes_the_step_keys_and_values(model_dir, dtype):
+    model = _load(model_dir, dtype)
+    ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed=4, dtype=dtype)
     written = {}
     for name, stack in (("python", None), ("stack", model.decode_stack)):
         model.decode_stack = stack
@@ -103,7 +112,7 @@ def test_prefill_and_padded_steps_take_the_python_path(model_dir):
 
 
 def test_not_built_where_it_does_not_apply(model_dir, tmp_path):
-    assert _load(model_dir, dtype=torch.bfloat16).decode_stack is None
+    assert _load(model_dir, dtype=torch.float16).decode_stack is None  # linears not packed
     assert _load(model_dir, backend="torch").decode_stack is None
     narrow_heads = build_model_dir(tmp_path / "hd16", "llama")  # head_dim 16: no kernel
     assert _load(narrow_heads).decode_stack is None
