@@ -37,6 +37,7 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
+from app.cli import run_event_loop
 from bench.processes import LaunchedServer
 from bench.server_metrics import parse_metrics, server_side
 
@@ -224,6 +225,8 @@ def client_session(url: str, connections: int) -> aiohttp.ClientSession:
     """The benchmark's HTTP client, for a server root such as ``http://127.0.0.1:8000``.
     aiohttp parses responses in C: over a stream of SSE events it takes 44 us of CPU per event
     where httpx takes 108 us, CPU that on a 2-core host comes out of the server under test.
+    Runs go on uvloop (``run_event_loop``): against 32 streams of a tidal server the client
+    took 37 us per event there and 53 us on asyncio's own loop.
     A stream may run as long as it likes while data keeps coming (15 minutes between reads)."""
     if urllib.parse.urlsplit(url).path not in ("", "/"):
         raise ValueError(f"{url}: give the server's root URL, without a path")
@@ -341,9 +344,9 @@ def main(argv: list[str] | None = None) -> None:
             with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
                 model = json.load(resp)["data"][0]["id"]
         if args.warmup:
-            asyncio.run(run_workload(url, model, Workload(
+            run_event_loop(run_workload(url, model, Workload(
                 args.input_len, args.output_len, args.warmup, concurrency=args.warmup)))
-        reports = [asyncio.run(run_workload(url, model, work)) for work in runs]
+        reports = [run_event_loop(run_workload(url, model, work)) for work in runs]
     finally:
         if server is not None:
             server.stop()

@@ -24,7 +24,6 @@ single run of a few seconds moves with the host's load.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from app.cli import run_event_loop
 from bench.common import RESULTS_DIR, bench_model_dir, write_result
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.processes import LaunchedServer
@@ -133,7 +133,7 @@ def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) 
     and both servers' first steps pay one-off costs."""
     prompts = text_prompts(tokenizer, requests, 16, seed=7)
     work = Workload(16, 8, requests, concurrency=requests)
-    report = asyncio.run(run_classes(server.url, server.model,
+    report = run_event_loop(run_classes(server.url, server.model,
                                      {"all": RequestClass(work, list(prompts))}, flavor))
     failed = report["classes"]["all"]["failed"]
     if failed:
@@ -163,7 +163,7 @@ def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
             for classes in round_classes:
                 for kind, server in servers.items():
                     t0 = time.perf_counter()
-                    report = asyncio.run(run_classes(server.url, server.model, classes, kind,
+                    report = run_event_loop(run_classes(server.url, server.model, classes, kind,
                                                      quantiles=True))
                     report["load_average_after"] = round(os.getloadavg()[0], 2)
                     rounds[kind].append(report)

@@ -81,6 +81,25 @@ def test_load_generator_against_tidal(server: Any) -> None:
     assert report["server"]["process_cpu_s"] > 0  # read from tidal's /metrics
 
 
+def test_load_generator_runs_its_workloads_on_uvloop(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """The client's own CPU per event comes out of the server under test on a small host."""
+    import uvloop
+
+    import bench.load_generator as lg
+
+    loops = []
+
+    async def recorded(url: str, model: str, work: Workload) -> dict[str, Any]:
+        loops.append(type(asyncio.get_running_loop()))
+        return {"concurrency": work.concurrency}
+
+    monkeypatch.setattr(lg, "run_workload", recorded)
+    lg.main(["--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "1", "2"])
+    assert loops == [uvloop.Loop] * 3  # the warm-up and the two runs
+    assert '"concurrency": 2' in capsys.readouterr().out
+
+
 def test_text_prompts_and_classes_against_tidal(server: Any, tokenizer: Any) -> None:
     short = text_prompts(tokenizer, 3, 10, seed=1)
     long = text_prompts(tokenizer, 1, 300, seed=2)
