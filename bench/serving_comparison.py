@@ -134,7 +134,7 @@ def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) 
     prompts = text_prompts(tokenizer, requests, 16, seed=7)
     work = Workload(16, 8, requests, concurrency=requests)
     report = run_event_loop(run_classes(server.url, server.model,
-                                     {"all": RequestClass(work, list(prompts))}, flavor))
+                                        {"all": RequestClass(work, list(prompts))}, flavor))
     failed = report["classes"]["all"]["failed"]
     if failed:
         raise RuntimeError(f"{flavor}: warm-up failed: {report['classes']['all']['errors']}")
@@ -163,8 +163,8 @@ def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
             for classes in round_classes:
                 for kind, server in servers.items():
                     t0 = time.perf_counter()
-                    report = run_event_loop(run_classes(server.url, server.model, classes, kind,
-                                                     quantiles=True))
+                    report = run_event_loop(run_classes(server.url, server.model, classes,
+                                                        kind, quantiles=True))
                     report["load_average_after"] = round(os.getloadavg()[0], 2)
                     rounds[kind].append(report)
                     _progress(kind, scenario, report, time.perf_counter() - t0)
