@@ -70,10 +70,12 @@ class LaunchedServer:
         """Wait for /health; a server whose port was taken before it could bind is started
         again on another port (``url`` changes)."""
         deadline = time.monotonic() + timeout
-        for _ in range(LAUNCH_ATTEMPTS):
+        for attempt in range(LAUNCH_ATTEMPTS):
+            if attempt:  # the last process exited: its port was taken
+                self.log.close()
+                self._launch()
             if self._wait_once(deadline):
                 return
-            self._launch()
         raise RuntimeError(f"no free port after {LAUNCH_ATTEMPTS} tries")
 
     def _wait_once(self, deadline: float) -> bool:

@@ -28,7 +28,7 @@ from bench.load_generator import (
     run_workload,
 )
 from bench.plots import plot_all
-from bench.processes import LaunchedServer
+from bench.processes import LAUNCH_ATTEMPTS, LaunchedServer
 from bench.prompt_text import text_prompts, token_count
 from bench.serving_report import markdown, ratios
 from tests.live_server import running_server
@@ -266,17 +266,18 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 
 
 class _PortTakenFirst(LaunchedServer):
-    """A stand-in server: its first process finds its port taken, the next serves /health;
-    with ``other_failure`` the first exits for another reason."""
+    """A stand-in server: its first ``taken`` processes find their port taken, the next serves
+    /health; with ``other_failure`` the first exits for another reason."""
 
-    def __init__(self, other_failure: bool = False) -> None:
+    def __init__(self, other_failure: bool = False, taken: int = 1) -> None:
         self.other_failure = other_failure
+        self.taken = taken
         self.launched_ports: list[int] = []
         super().__init__("model", [])
 
     def command(self) -> list[str]:
         self.launched_ports.append(self.port)
-        if len(self.launched_ports) == 1:
+        if len(self.launched_ports) <= self.taken:
             said = "out of memory" if self.other_failure else "[Errno 98] Address already in use"
             return [sys.executable, "-c", f"print('OSError: {said}'); raise SystemExit(1)"]
         return [sys.executable, "-c", _HEALTH_SERVER, str(self.port)]
@@ -297,3 +298,13 @@ def test_server_failing_otherwise_is_reported_with_its_log():
     with pytest.raises(RuntimeError, match="out of memory"):
         server.wait_ready(timeout=60)
     assert len(server.launched_ports) == 1
+
+
+def test_server_gives_up_after_its_launch_attempts_without_starting_another():
+    server = _PortTakenFirst(taken=LAUNCH_ATTEMPTS + 1)
+    try:
+        with pytest.raises(RuntimeError, match="no free port"):
+            server.wait_ready(timeout=60)
+        assert len(server.launched_ports) == LAUNCH_ATTEMPTS
+    finally:
+        server.stop()
