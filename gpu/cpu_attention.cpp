@@ -9,7 +9,9 @@
 //
 // While a row works on 16 positions, the cache lines of its next 16 are prefetched a few at a
 // time, spread over the block kernel's loop: asked for all at once, they filled the core's
-// miss buffers and stalled it until they arrived, so fetching and arithmetic took turns.
+// miss buffers and stalled it until they arrived, so fetching and arithmetic took turns. The
+// addresses are kept four lines to an entry: with one entry per line, building and reading the
+// list took more instructions than the arithmetic, which showed where the cache sat in L2 or L3.
 //
 // bfloat16 caches of a head_dim divisible by 32 (all supported sizes but 80) are read 32
 // elements at a time as 16 32-bit words, whose low and high halves are the even and odd
@@ -17,10 +19,10 @@
 // halves takes four instructions.
 //
 // Per layer of a 30M Llama (8 heads, 4 KV heads of 64) on a 2-core AVX-512 host, float32:
-// 0.21 ms for 32 rows of 33-160 positions, against 0.41 ms for the three passes of scores,
-// torch's softmax and weighted values; 3.6-3.7 ms for 128 rows of 160-384 (6.2 ms in three
-// passes), where the cache no longer fits any cache level and the reads from memory set the
-// pace. A bfloat16 cache takes 2.0-2.1 ms there.
+// 0.16-0.19 ms for 32 rows of 96 positions (in the CPU's caches), 2.4-2.7 ms for 128 rows of
+// 224 (a cache that no longer fits any cache level, where the reads from memory set the pace).
+// Without the four-line entries and with the lane shuffles built at run time, those were
+// 0.19-0.24 and 2.4-2.8 ms; without prefetching, 0.15-0.17 and 2.9-3.2 ms.
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
 // [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
@@ -46,6 +48,10 @@ using tidal::vec16;
 namespace {
 
 constexpr int64_t kPrefetchAhead = kLanes;  // positions between a prefetch and its use
+// Cache lines prefetched per address kept: one address per line cost more instructions than
+// the arithmetic it fed where the cache was in L2 or L3.
+constexpr int kLinesPerGroup = 4;
+constexpr int64_t kGroupBytes = 64 * kLinesPerGroup;
 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -73,23 +79,29 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
   }
 }
 
-// The cache lines of positions [from, from + 16) (those before len): every KV head's key and
-// value rows, in `lines`; returns how many.
+// The cache lines of positions [from, from + 16) (those before len), kLinesPerGroup at a time:
+// where each group of every KV head's key and value rows starts, in `groups`; returns how many.
+// A row whose size is not a whole number of groups has its last group run on into the next
+// position's row (a prefetch past the end of a row never faults).
 template <typename scalar_t>
-int64_t future_lines(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
-                     int64_t from, int64_t len, int64_t row_elements,
-                     std::vector<const char*>& lines) {
+int64_t future_groups(const scalar_t* keys, const scalar_t* values, const int64_t* offsets,
+                      int64_t from, int64_t len, int64_t row_elements,
+                      std::vector<const char*>& groups) {
   const int64_t bytes = row_elements * static_cast<int64_t>(sizeof(scalar_t));
   int64_t count = 0;
   for (int64_t p = from; p < std::min(from + kLanes, len); ++p) {
     const char* k = reinterpret_cast<const char*>(keys + offsets[p]);
     const char* v = reinterpret_cast<const char*>(values + offsets[p]);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      lines[count++] = k + b;
-      lines[count++] = v + b;
+    for (int64_t b = 0; b < bytes; b += kGroupBytes) {
+      groups[count++] = k + b;
+      groups[count++] = v + b;
     }
   }
   return count;
+}
+
+void prefetch_group(const char* at) {
+  for (int l = 0; l < kLinesPerGroup; ++l) __builtin_prefetch(at + 64 * l, 0, 3);
 }
 
 // Online softmax state of one query head: the running maximum, and in `acc` the output so far
@@ -123,8 +135,9 @@ struct PairedBf16Rows {
   static int64_t element(int c, int lane) { return (c / 2) * 2 * kLanes + 2 * lane + c % 2; }
 };
 
-// Cache lines for one call of the block kernel to prefetch, spread over its 16 positions.
-struct Lines {
+// Groups of cache lines for one call of the block kernel to prefetch, spread over its 16
+// positions.
+struct Groups {
   const char* const* at;
   int64_t count;
 };
@@ -136,14 +149,13 @@ struct Lines {
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
                   const typename Rows::type* values, const int64_t* offsets, int64_t n,
-                  Lines fetch) {
+                  Groups fetch) {
   vec16 qv[CHUNKS], acc[2][CHUNKS];  // two sums of values, alternate positions, for ILP
   for (int c = 0; c < CHUNKS; ++c) qv[c] = tidal::load(q + c * kLanes);
   vec16 partial[kLanes];
 #pragma GCC unroll 16
   for (int64_t j = 0; j < kLanes; ++j) {
-    for (int64_t f = j * fetch.count / kLanes; f < (j + 1) * fetch.count / kLanes; ++f)
-      __builtin_prefetch(fetch.at[f], 0, 3);
+    for (int64_t f = j; f < fetch.count; f += kLanes) prefetch_group(fetch.at[f]);
     const auto* k = keys + offsets[j];
     partial[j] = qv[0] * Rows::chunk(k, 0);
     for (int c = 1; c < CHUNKS; ++c) partial[j] += qv[c] * Rows::chunk(k, c);
@@ -190,7 +202,7 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
 
 template <typename Rows>
 using BlockKernel = void (*)(const float*, HeadState&, const typename Rows::type*,
-                             const typename Rows::type*, const int64_t*, int64_t, Lines);
+                             const typename Rows::type*, const int64_t*, int64_t, Groups);
 
 // The block kernel for head_dim, or nullptr for a size without one.
 template <typename Rows>
@@ -235,7 +247,8 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
     std::vector<int64_t> offsets;
-    std::vector<const char*> lines(2 * kLanes * ((row_elements * sizeof(scalar_t) + 63) / 64));
+    std::vector<const char*> groups(
+        2 * kLanes * ((row_elements * sizeof(scalar_t) + kGroupBytes - 1) / kGroupBytes));
     for (int64_t i; (i = items.next()) >= 0;) {
       const int64_t r = req[i], len = lens[r];
       const scalar_t* qi = q + qrow[i] * query.stride(0);
@@ -248,20 +261,20 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                               acc.data() + h * state_floats};
       tidal::context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
-      const int64_t first_lines = future_lines(keys, values, offsets.data(), 0, len,
-                                               row_elements, lines);
-      for (int64_t l = 0; l < first_lines; ++l) __builtin_prefetch(lines[l], 0, 3);
+      const int64_t first_groups = future_groups(keys, values, offsets.data(), 0, len,
+                                                 row_elements, groups);
+      for (int64_t g = 0; g < first_groups; ++g) prefetch_group(groups[g]);
       for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
         const int64_t n = std::min(kLanes, len - p0);
-        const int64_t count = future_lines(keys, values, offsets.data(), p0 + kPrefetchAhead,
-                                           len, row_elements, lines);
+        const int64_t count = future_groups(keys, values, offsets.data(), p0 + kPrefetchAhead,
+                                            len, row_elements, groups);
         const int64_t per_head = (count + heads - 1) / heads;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t head_offset = (h / group) * dim;
           const int64_t first = std::min(count, h * per_head);
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
                  offsets.data() + p0, n,
-                 Lines{lines.data() + first, std::min(count, first + per_head) - first});
+                 Groups{groups.data() + first, std::min(count, first + per_head) - first});
         }
       }
       scalar_t* oi = o + qrow[i] * out.stride(0);

@@ -11,6 +11,10 @@
 
 namespace tidal {
 
+// For the helpers the kernels call in their innermost loops: GCC's heuristics left some of them
+// out of line inside large unrolled loops, which spilled their vector arguments to the stack.
+#define TIDAL_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kLanes = 16;  // floats in a vec16
 
 // may_alias: vectors are read from and written to float buffers; aligned(4): any float address.
@@ -60,30 +64,40 @@ inline vec16 load(const c10::Half* p) {
   return load(f);
 }
 
-// Horizontal sum and maximum as shuffle trees (four rounds), not 16 dependent steps.
-inline vec16 swap_lanes(vec16 v, int width) {  // lanes i and i ^ width trade places
-  ivec16 index;
-  for (int i = 0; i < 16; ++i) index[i] = i ^ width;
+// Horizontal sum and maximum as shuffle trees (four rounds), not 16 dependent steps. Each
+// round's shuffle pattern is a compile-time constant, so it is one permute of a constant index
+// (built lane by lane at run time, the pattern cost more than the sums).
+template <int Width>
+TIDAL_INLINE vec16 swap_lanes(vec16 v) {  // lanes i and i ^ Width trade places
+  constexpr ivec16 index{0 ^ Width,  1 ^ Width,  2 ^ Width,  3 ^ Width,  4 ^ Width,  5 ^ Width,
+                         6 ^ Width,  7 ^ Width,  8 ^ Width,  9 ^ Width,  10 ^ Width, 11 ^ Width,
+                         12 ^ Width, 13 ^ Width, 14 ^ Width, 15 ^ Width};
   return __builtin_shuffle(v, index);
 }
 
-inline float sum(vec16 v) {
-  for (int width = 8; width >= 1; width /= 2) v += swap_lanes(v, width);
+TIDAL_INLINE float sum(vec16 v) {
+  v += swap_lanes<8>(v);
+  v += swap_lanes<4>(v);
+  v += swap_lanes<2>(v);
+  v += swap_lanes<1>(v);
   return v[0];
 }
 
-inline float max(vec16 v) {
-  for (int width = 8; width >= 1; width /= 2) {
-    const vec16 w = swap_lanes(v, width);
-    v = w > v ? w : v;
-  }
+// a where a > b, else b (so b where either is NaN).
+TIDAL_INLINE vec16 max_lanes(vec16 a, vec16 b) { return a > b ? a : b; }
+
+TIDAL_INLINE float max(vec16 v) {
+  v = max_lanes(swap_lanes<8>(v), v);
+  v = max_lanes(swap_lanes<4>(v), v);
+  v = max_lanes(swap_lanes<2>(v), v);
+  v = max_lanes(swap_lanes<1>(v), v);
   return v[0];
 }
 
 // exp of each lane for x <= 0 (softmax's shifted scores); lanes below -87.3, -inf among them,
 // give 0, so no denormal is made. Range reduction x = n ln2 + r, |r| <= ln2/2, then the
 // polynomial of Cephes' expf for exp(r) and the exponent bits for 2^n.
-inline vec16 exp_nonpositive(vec16 x) {
+TIDAL_INLINE vec16 exp_nonpositive(vec16 x) {
   const vec16 low = splat(-87.3f);
   const ivec16 underflow = x < low;
   x = underflow ? low : x;
@@ -106,7 +120,7 @@ inline vec16 exp_nonpositive(vec16 x) {
 // Lane j of the result is the sum of v[j]'s 16 lanes: four rounds of pairing, each halving the
 // vectors and doubling the sums per vector, so 16 dot products cost 15 adds and 30 shuffles
 // instead of 16 separate horizontal sums.
-inline vec16 sum_each(const vec16 v[16]) {
+TIDAL_INLINE vec16 sum_each(const vec16 v[16]) {
   constexpr ivec16 lo8{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   constexpr ivec16 hi8{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   constexpr ivec16 lo4{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
