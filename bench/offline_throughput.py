@@ -4,9 +4,11 @@ HF runs padded static batches (left padding); both produce exactly ``--output-le
 prompt (EOS ignored), in the same ``--dtype`` on the same ``--device``. Each side runs in a
 fresh process of its own, so neither inherits the other's allocator state, thread pools or warm
 caches. Prints and writes ``bench/results/offline_throughput.json`` (the name gains
-``-<device>``, ``-<shape>`` and ``-<dtype>`` where those are not the CPU defaults).
+``-<device>``, ``-<model dir name>``, ``-<shape>`` and ``-<dtype>`` where those are not the
+defaults).
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
+    python -m bench.offline_throughput --model core/default_model --min-len 32 --max-len 120
     python -m bench.offline_throughput --device cuda --shape qwen2.5-0.5b --dtype bfloat16 \
         --num-prompts 512 --max-num-seqs 256 --hf-batch-size 128
 """
@@ -19,13 +21,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import bench_model_dir, random_prompts, write_result
 from bench.model_shapes import SHAPES, build_shaped_model_dir
 from core import LLM, SamplingParams
+
+PROMPT_VOCAB = 8000  # prompt ids are drawn below this, or below a smaller model's vocabulary
 
 
 def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
@@ -105,8 +110,9 @@ def main() -> None:
     args = ap.parse_args()
 
     model = args.model or _model_dir(args.shape)
-    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=8000)
-    warm = random_prompts(4, args.min_len, args.max_len, vocab=8000, seed=1)
+    vocab = min(PROMPT_VOCAB, AutoConfig.from_pretrained(model).vocab_size)
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=vocab)
+    warm = random_prompts(4, args.min_len, args.max_len, vocab=vocab, seed=1)
     ours = in_fresh_process(run_ours, model, prompts, warm, args.output_len, args.max_num_seqs,
                             args.max_num_batched_tokens, args.dtype, args.device)
     print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
@@ -116,7 +122,8 @@ def main() -> None:
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
     print(f"ratio tidal / HF: {ratio:.2f}x")
-    parts = [args.device.split(":")[0] if args.device != "cpu" else None, args.shape,
+    parts = [args.device.split(":")[0] if args.device != "cpu" else None,
+             Path(args.model).name if args.model else None, args.shape,
              None if args.dtype == "float32" else args.dtype]
     name = "-".join(["offline_throughput", *filter(None, parts)])
     path = write_result(name, {
