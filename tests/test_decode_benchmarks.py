@@ -1,6 +1,6 @@
 """The GPU decode benchmarks' smoke mode on the CPU (tiny models in the real shapes'
-architectures, every measurement taken, results written) and the CPU prefill attention
-benchmark. No timing is asserted."""
+architectures, every measurement taken, results written) and the CPU prefill and decode
+attention benchmarks. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bench.common
-from bench import decode_roofline, overlap, prefill_attention
+from bench import decode_attention, decode_roofline, overlap, prefill_attention
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
 from gpu.model_config import ModelConfig
 
@@ -61,3 +61,16 @@ def test_prefill_attention_benchmark_smoke(tmp_path, monkeypatch):
     assert [r["layout"] for r in result["runs"]] == list(prefill_attention.layouts())
     for run in result["runs"]:
         assert run["kernel_ms"] > 0 and run["torch_ms"] > 0 and run["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_decode_attention_benchmark_smoke(tmp_path, monkeypatch, dtype, tolerance):
+    """The in-cache layouts timed on both paths, which agree; the result named for the dtype."""
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    layouts = [name for name in decode_attention.LAYOUTS if name.endswith("in cache")]
+    result = decode_attention.main(["--repeats", "1", "--dtype", dtype, "--layouts", *layouts])
+    name = "decode_attention" if dtype == "float32" else f"decode_attention-{dtype}"
+    assert json.loads((tmp_path / "results" / f"{name}.json").read_text())["dtype"] == dtype
+    assert [r["layout"] for r in result["runs"]] == layouts
+    for run in result["runs"]:
+        assert run["kernel_ms"] > 0 and run["torch_ms"] > 0 and run["max_abs_diff"] < tolerance
