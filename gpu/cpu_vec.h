@@ -9,11 +9,11 @@
 
 #include <cstdint>
 
-namespace tidal {
-
 // For the helpers the kernels call in their innermost loops: GCC's heuristics left some of them
 // out of line inside large unrolled loops, which spilled their vector arguments to the stack.
 #define TIDAL_INLINE inline __attribute__((always_inline))
+
+namespace tidal {
 
 constexpr int64_t kLanes = 16;  // floats in a vec16
 
@@ -65,8 +65,8 @@ inline vec16 load(const c10::Half* p) {
 }
 
 // Horizontal sum and maximum as shuffle trees (four rounds), not 16 dependent steps. Each
-// round's shuffle pattern is a compile-time constant, so it is one permute of a constant index
-// (built lane by lane at run time, the pattern cost more than the sums).
+// round's pattern is a compile-time constant, so each round is one permute by a constant index;
+// built lane by lane at run time, the patterns had cost more than the sums.
 template <int Width>
 TIDAL_INLINE vec16 swap_lanes(vec16 v) {  // lanes i and i ^ Width trade places
   constexpr ivec16 index{0 ^ Width,  1 ^ Width,  2 ^ Width,  3 ^ Width,  4 ^ Width,  5 ^ Width,
