@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +34,26 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int,
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(min_len, max_len))]
             for _ in range(num)]
+
+
+def add_head_args(ap: argparse.ArgumentParser, repeats: int) -> None:
+    """The flags the attention benchmarks share: timed calls per layout and the heads' shape
+    (default: the bench model's 8 query heads and 4 KV heads of 64)."""
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+
+
+def time_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median of ``repeats`` timed calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
 
 
 def machine() -> dict:

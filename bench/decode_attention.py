@@ -18,8 +18,7 @@ import itertools
 
 import torch
 
-from bench.common import write_result
-from bench.prefill_attention import time_ms
+from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu_kernels import denormals_flushed, load_cpu_kernels
@@ -60,10 +59,7 @@ def measure(name: str, rows: int, positions: int, layers: int, heads: int, kv_he
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
+    add_head_args(ap, repeats=40)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     ap.add_argument("--name", help="results file name (default: decode_attention[-dtype])")

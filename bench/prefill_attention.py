@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import write_result
+from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu_kernels import denormals_flushed, load_cpu_kernels
@@ -36,17 +34,6 @@ def layouts(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
         "8 chunks of 192 after 500": ([500] * 8, [192] * 8),
         "2 fresh 1,000-token prompts": ([0, 0], [1000, 1000]),
     }
-
-
-def time_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median of ``repeats`` timed calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * sorted(times)[len(times) // 2]
 
 
 def useful_gflop(context: list[int], rows: list[int], heads: int, head_dim: int) -> float:
@@ -75,10 +62,7 @@ def measure(name: str, context: list[int], rows: list[int], heads: int, kv_heads
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
+    add_head_args(ap, repeats=15)
     ap.add_argument("--name", default="prefill_attention", help="results file name")
     args = ap.parse_args(argv)
     if load_cpu_kernels() is None:
