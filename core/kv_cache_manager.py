@@ -58,9 +58,11 @@ class KVCacheManager:
         Returns the newly allocated blocks, or ``None`` (nothing changed) when too few are
         free.
         """
+        total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        if not computed_blocks and self._fits(request, total):
+            return []  # most decode steps: room in the last block, no block newly full
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
         num_new = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new > self.pool.num_free_blocks - idle_hits:
@@ -74,6 +76,17 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return new_blocks
+
+    def _fits(self, request: Request, total: int) -> bool:
+        """Whether ``request``'s blocks hold ``total`` tokens and none of its blocks would
+        become full of known tokens: then ``allocate_slots`` has nothing to do."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks or total > len(blocks) * self.block_size:
+            return False
+        if not self.enable_caching:
+            return True
+        full = min(total, request.num_tokens) // self.block_size
+        return full <= self.num_cached_blocks.get(request.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its last blocks are evicted first."""

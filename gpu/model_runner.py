@@ -33,7 +33,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor | None  # the rows to sample from; None: every row, in order
     sampling_states: list[CachedRequestState]
 
 
@@ -187,7 +187,9 @@ class ModelRunner:
         if not inputs.sampling_states:
             prof.lap("forward")
             return StepHandle(self.batch, [], None)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        if inputs.logits_indices is not None:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(hidden).float()
         prof.lap("forward")
         meta = build_sampling_metadata(self.batch, inputs.sampling_states,
                                        self.model_config.vocab_size, logits.device,
@@ -257,7 +259,7 @@ class ModelRunner:
             input_ids=input_ids_dev,
             positions=to_dev(positions),
             meta=meta,
-            logits_indices=to_dev(logits_indices),
+            logits_indices=None if len(sampling) == cu[-1] else to_dev(logits_indices),
             sampling_states=[states[i] for i in sampling],
         )
 

@@ -67,3 +67,22 @@ def test_shared_prefix_blocks_are_reference_counted():
     kv.free(b)
     assert all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
     assert kv.pool.num_free_blocks == 6
+
+
+def test_a_block_filled_by_decoded_tokens_is_cached_once_full():
+    """Most decode steps allocate nothing; the step that computes a block's last position
+    registers the block, and the step past a block's end allocates the next one."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    req = _request("a", list(range(6)))
+    kv.allocate_slots(req, 6)
+    req.num_computed_tokens = 6
+    for position, token in ((6, 100), (7, 101)):
+        req.append_output_token(token)
+        assert kv.allocate_slots(req, 1) == []  # room in the second block
+        req.num_computed_tokens = position + 1
+        assert kv.num_cached_blocks["a"] == (1 if position == 6 else 2)
+    req.append_output_token(102)
+    assert len(kv.allocate_slots(req, 1)) == 1  # position 8 starts a third block
+    kv.free(req)
+    again = _request("b", [*range(6), 100, 101, 5])
+    assert kv.get_computed_blocks(again)[1] == 8

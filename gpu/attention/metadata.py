@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -59,6 +60,7 @@ class AttentionMetadata:
     def decode_rows_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode requests and their query rows as int64 CPU tensors, for kernels that
         take index tensors: built once a step, not once a layer."""
-        rows = self.decode_requests
-        qsl = self.query_start_loc_cpu
-        return torch.tensor(rows), torch.tensor([qsl[i] for i in rows])
+        requests = np.asarray(self.decode_requests, dtype=np.int64)
+        # via numpy: torch.tensor over a list of a few dozen ints took as long as 20 us
+        rows = np.asarray(self.query_start_loc_cpu, dtype=np.int64)[requests]
+        return torch.from_numpy(requests), torch.from_numpy(rows)
