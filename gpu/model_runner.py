@@ -37,6 +37,39 @@ class StepInputs:
     sampling_states: list[CachedRequestState]
 
 
+@dataclass
+class TokenLayout:
+    """Where a step's tokens sit: request ``i`` owns tokens ``cu[i]:cu[i + 1]`` of the
+    flattened batch, at sequence positions ``positions``."""
+
+    cu: np.ndarray  # [R + 1]
+    positions: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [R]: each request's length once this step has run
+    max_query_len: int
+    req_of_token: np.ndarray | None  # [T]: each token's request; None: token i is request i's
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, computed: np.ndarray) -> TokenLayout:
+        """The layout of ``sched``'s tokens after each request's ``computed`` ones."""
+        n = len(computed)
+        if sched.total_num_scheduled_tokens == n:  # decodes only: one token each, in order
+            return cls(np.arange(n + 1), computed, computed + 1, 1, None)
+        num_new = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        positions = computed[req_of_token] + np.arange(cu[-1]) - cu[req_of_token]
+        return cls(cu, positions, computed + num_new, int(num_new.max()), req_of_token)
+
+    def per_token(self, per_request: np.ndarray) -> np.ndarray:
+        """A per-request array spread over the tokens."""
+        return per_request if self.req_of_token is None else per_request[self.req_of_token]
+
+    def request_of(self, tokens: np.ndarray) -> np.ndarray:
+        """The requests of the tokens at these indices."""
+        return tokens if self.req_of_token is None else self.req_of_token[tokens]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  max_model_len: int) -> None:
@@ -214,34 +247,27 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         states = [self.batch.states[r] for r in sched.num_scheduled_tokens]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
-                               count=len(states))
-        num_new = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64,
-                              count=len(states))
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
-        req_of_token = np.repeat(np.arange(len(states)), num_new)
-        positions = computed[req_of_token] + np.arange(cu[-1]) - cu[req_of_token]
-        token_rows = rows[req_of_token]
+        rows, computed, known, pending = np.array(
+            [[s.row for s in states], [s.num_computed_tokens for s in states],
+             [s.num_tokens for s in states], [s.num_pending for s in states]],
+            dtype=np.int64).reshape(4, len(states))
+        layout = TokenLayout.of(sched, computed)
+        cu, positions, seq_lens = layout.cu, layout.positions, layout.seq_lens
+        token_rows = layout.per_token(rows)
         input_ids = self.batch.token_ids[token_rows, positions]
         bs = self.block_size
         slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
-        seq_lens = computed + num_new
         max_seq = int(seq_lens.max())
         block_table = self.batch.block_table[rows, : -(-max_seq // bs)]
 
-        known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        pending = np.fromiter((s.num_pending for s in states), dtype=np.int64,
-                              count=len(states))
         sampling = np.nonzero(seq_lens >= known + pending)[0]
         logits_indices = cu[1:][sampling] - 1
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
-        unknown = np.nonzero(positions >= known[req_of_token])[0]
+        unknown = np.nonzero(positions >= layout.per_token(known))[0]
         if unknown.size:  # sampled by the step in flight: still on the device
-            src = [self._last_index[states[r].req_id] for r in req_of_token[unknown]]
+            src = [self._last_index[states[r].req_id] for r in layout.request_of(unknown)]
             input_ids_dev[to_dev(unknown)] = self._last_sampled[
                 to_dev(np.asarray(src, dtype=np.int64))]
         meta = AttentionMetadata(
@@ -250,7 +276,7 @@ class ModelRunner:
             seq_lens=to_dev(seq_lens.astype(np.int32)),
             block_table=to_dev(np.ascontiguousarray(block_table)),
             slot_mapping=to_dev(slots),
-            max_query_len=int(num_new.max()),
+            max_query_len=layout.max_query_len,
             max_seq_len=max_seq,
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
