@@ -132,6 +132,8 @@ class IncrementalDetokenizer:
         before = self._num_tokens
         self._num_tokens += len(token_ids)
         if before >= self._min_tokens:
+            if len(token_ids) == 1:  # nearly every step
+                return step(token_ids[0]), 0
             return "".join([step(t) for t in token_ids]), 0
         split = self._min_tokens - before
         head = "".join([step(t) for t in token_ids[:split]])

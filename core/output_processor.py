@@ -77,7 +77,8 @@ class OutputProcessor:
     def _completion(self, update: RequestUpdate, child: ChildState,
                     stop: StopFn) -> CompletionOutput:
         request = update.request
-        completion = CompletionOutput(index=child.index, token_ids=list(update.new_token_ids))
+        # the update's list is the scheduler's fresh one for this step: no copy needed
+        completion = CompletionOutput(index=child.index, token_ids=update.new_token_ids)
         if child.wants_logprobs:
             completion.logprobs = list(update.new_logprobs or [])
         try:
@@ -103,11 +104,10 @@ class OutputProcessor:
                 request: Request, completion: CompletionOutput) -> None:
         out = by_parent.get(parent.request_id)
         if out is None:
-            now = time.monotonic()
             if parent.first_token_time is None and completion.token_ids:
-                parent.first_token_time = now
-            parent.num_cached_tokens = max(parent.num_cached_tokens,
-                                           max(request.num_cached_tokens, 0))
+                parent.first_token_time = time.monotonic()
+            if request.num_cached_tokens > parent.num_cached_tokens:
+                parent.num_cached_tokens = request.num_cached_tokens
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
                                 num_cached_tokens=parent.num_cached_tokens)
             by_parent[parent.request_id] = out

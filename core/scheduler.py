@@ -229,14 +229,14 @@ class Scheduler:
     # -- after the forward --------------------------------------------------------------
     def update_from_output(self, output: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
+        requests = self.requests
         for i, req_id in enumerate(output.req_ids):
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            token_ids = output.sampled_token_ids[i]
             logprobs = output.logprobs[i] if output.logprobs is not None else None
             appended = []
-            for token_id in token_ids:
+            for token_id in output.sampled_token_ids[i]:
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
                 request.append_output_token(token_id)
@@ -253,13 +253,14 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
