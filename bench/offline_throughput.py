@@ -34,7 +34,8 @@ PROMPT_VOCAB = 8000  # prompt ids are drawn below this, or below a smaller model
 
 
 def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
-             max_num_seqs: int, max_num_batched_tokens: int, dtype: str, device: str) -> dict:
+             max_num_seqs: int, max_num_batched_tokens: int | None, dtype: str,
+             device: str) -> dict:
     llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -46,6 +47,7 @@ def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prof = llm.engine.profiler
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+            "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
             "steps": prof.num_steps, "step_ms": prof.breakdown(),
             "overhead_share": prof.overhead_share()}
 
@@ -100,7 +102,8 @@ def main() -> None:
     # each side at its best batch on the 2-core CPU: tidal 128 (1,315 tok/s; 64: 1,136;
     # 256: 1,228), HF 64 (623 tok/s; 32: 556; 16: 491; 128: 410), float32
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="tidal's token budget (default: LLM's for the device)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and activations on both sides")

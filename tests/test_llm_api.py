@@ -72,3 +72,15 @@ def test_bad_prompt_ids_and_context_overflow(llm):
     assert "context" in out[0].error
     assert out[1].outputs[0].finish_reason == "length"
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_offline_cpu_budget_defaults_larger_than_the_servers(llm):
+    from core.config import (
+        DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
+        DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    )
+
+    assert llm.engine.config.max_num_batched_tokens == DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS > DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
+    chosen = LLM(llm.engine.config.model, max_num_seqs=2, max_num_batched_tokens=48)
+    assert chosen.engine.config.max_num_batched_tokens == 48
