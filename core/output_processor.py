@@ -26,7 +26,6 @@ class ParentRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     num_finished: int = 0
     num_cached_tokens: int = 0
-    first_token_time: float | None = None
 
 
 @dataclass
@@ -104,8 +103,6 @@ class OutputProcessor:
                 request: Request, completion: CompletionOutput) -> None:
         out = by_parent.get(parent.request_id)
         if out is None:
-            if parent.first_token_time is None and completion.token_ids:
-                parent.first_token_time = time.monotonic()
             if request.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = request.num_cached_tokens
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
