@@ -7,7 +7,6 @@ metadata object holding no tensor at all: the sampler's fast path is a plain arg
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ class RowSampling:
     def penalised(self) -> bool:
         return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
 
-    @functools.cached_property
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that edits the logits (min_tokens is checked per step)."""
         return self.greedy and not self.penalised and not self.bias_tokens.size
@@ -115,7 +114,7 @@ class SamplingMetadata:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, tokens, values
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, tokens to mask
 
-    @functools.cached_property
+    @property
     def plain_greedy(self) -> bool:
         return (self.random is None and self.penalties is None and self.bias is None
                 and self.min_tokens is None)
@@ -134,11 +133,11 @@ def build_sampling_metadata(batch: InputBatch, states: list[CachedRequestState],
     ``in_flight`` is the step still running: its sampled ids (on the device) and each
     request's row in them; penalties count those tokens without waiting for them.
     """
-    rows = [s.sampling or _sampling_of(s, vocab_size) for s in states]
+    rows = [_sampling_of(s, vocab_size) for s in states]
     asked = [r.logprobs for r in rows if r.logprobs is not None]
     meta = SamplingMetadata(len(states), max(asked) if asked else None)
-    min_tokens_rows = [i for i, r in enumerate(rows)
-                       if r.min_tokens and _num_outputs(states[i]) < r.min_tokens]
+    min_tokens_rows = [i for i, (s, r) in enumerate(zip(states, rows))
+                       if r.min_tokens and _num_outputs(s) < r.min_tokens]
     if not min_tokens_rows and all(r.plain_greedy for r in rows):
         return meta
     pack = _Packer()
