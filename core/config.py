@@ -41,6 +41,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # schedule step N+1 while N runs; None: on GPU only
     attention_backend: str = "auto"  # "auto", "cpu", "torch" or "triton"
     seed: int = 0
+    offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -49,9 +50,7 @@ class EngineConfig:
         if self.async_scheduling is None:
             self.async_scheduling = self.device != "cpu"
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
-                                           if self.device == "cpu"
-                                           else DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS)
+            self.max_num_batched_tokens = self._default_budget()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -68,3 +67,9 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    def _default_budget(self) -> int:
+        if self.device != "cpu":
+            return DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS
+        return (DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS if self.offline
+                else DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from core.config import DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from core.config import EngineConfig
 from core.engine_core import EngineCore
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ Prompt = str | list[int]
 class LLM:
     """Batch generation over the same engine the server uses, without threads or HTTP.
 
-    On a CPU its default token budget is ``DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS``, not the
+    Its config is ``offline``: on a CPU the default token budget is 1,024 tokens, not the
     server's 192: nothing streams, so fewer, larger steps only help."""
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
@@ -26,10 +26,8 @@ class LLM:
             from core import DEFAULT_MODEL
 
             model = DEFAULT_MODEL
-        if (engine_args.get("max_num_batched_tokens") is None
-                and str(engine_args.get("device", "cpu")) == "cpu"):
-            engine_args["max_num_batched_tokens"] = DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))  # type: ignore[arg-type]
+        self.engine = EngineCore(EngineConfig(model=model, offline=True,
+                                              **engine_args))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

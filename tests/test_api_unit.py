@@ -290,6 +290,7 @@ def test_token_budget_defaults_by_device(model_dir: Path) -> None:
         return EngineConfig(model=str(model_dir), **kwargs).max_num_batched_tokens
 
     assert (budget(), budget(device="cuda"), budget(max_num_batched_tokens=64)) == (192, 2048, 64)
+    assert (budget(offline=True), budget(offline=True, device="cuda")) == (1024, 2048)
     assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None  # the config's
 
 
