@@ -262,7 +262,6 @@ class ModelRunner:
         block_table = self.batch.block_table[rows, : -(-max_seq // bs)]
 
         sampling = np.nonzero(seq_lens >= known + pending)[0]
-        logits_indices = cu[1:][sampling] - 1
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
         unknown = np.nonzero(positions >= layout.per_token(known))[0]
@@ -285,7 +284,8 @@ class ModelRunner:
             input_ids=input_ids_dev,
             positions=to_dev(positions),
             meta=meta,
-            logits_indices=None if len(sampling) == cu[-1] else to_dev(logits_indices),
+            logits_indices=(None if len(sampling) == cu[-1]  # every token's row samples
+                            else to_dev(cu[1:][sampling] - 1)),
             sampling_states=[states[i] for i in sampling],
         )
 
