@@ -6,6 +6,8 @@ Each step turns a sequence's new token ids into the text that became final:
   ``DecodeStream`` where the tokenizer decodes through its ``tokenizers`` backend, prefix/read
   offsets over the ids (vLLM's ``detokenize_incrementally``) for any other tokenizer. Both hold
   back text that ends in an incomplete UTF-8 character until the ids that complete it arrive.
+  Under a byte-level decoder most tokens need no decoding at all: their text is the same
+  wherever they stand (``TokenPieces``).
 - The decoder starts primed with the end of the prompt, so the first output tokens are spaced as
   they are after the prompt: ``decode(prompt) + output_text == decode(prompt + output)``. For a
   byte-level BPE that is also ``decode(output)``; a SentencePiece-style decoder would drop the
@@ -22,6 +24,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
+
+from tokenizers import decoders
 
 from core.sampling_params import SamplingParams
 
@@ -77,7 +81,7 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self._done = False
         self._final: list[str] = []  # all final text
-        self._unsent: list[str] = []  # final text not handed out yet
+        self._unsent = ""  # final text not handed out yet
         self._held = ""  # text that may be the beginning of a stop string
 
     @property
@@ -93,7 +97,6 @@ class IncrementalDetokenizer:
         """
         if self._done:
             return None
-        self._check_ids(new_token_ids)
         text, stop_floor = self._decode(new_token_ids)
         if finished:
             text += self._decoder.flush()
@@ -115,9 +118,27 @@ class IncrementalDetokenizer:
 
     def get_delta(self) -> str:
         """The text that became final since the previous call."""
-        delta = "".join(self._unsent)
-        self._unsent.clear()
+        delta, self._unsent = self._unsent, ""
         return delta
+
+    def _decode(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """The new text, and how many of its characters come from tokens within
+        ``min_tokens``: a stop string must end after those (vLLM's rule). Checks every id
+        before decoding any."""
+        if len(token_ids) == 1 and 0 <= token_ids[0] < self._vocab_size:
+            if self._num_tokens >= self._min_tokens:  # nearly every step
+                self._num_tokens += 1
+                return self._decoder.step(token_ids[0]), 0
+        else:
+            self._check_ids(token_ids)
+        step = self._decoder.step
+        before = self._num_tokens
+        self._num_tokens += len(token_ids)
+        if before >= self._min_tokens:
+            return "".join([step(t) for t in token_ids]), 0
+        split = self._min_tokens - before
+        head = "".join([step(t) for t in token_ids[:split]])
+        return head + "".join([step(t) for t in token_ids[split:]]), len(head)
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         for token_id in token_ids:
@@ -125,24 +146,10 @@ class IncrementalDetokenizer:
                 raise DetokenizationError(f"token id {token_id} is outside the vocabulary "
                                           f"[0, {self._vocab_size})")
 
-    def _decode(self, token_ids: Sequence[int]) -> tuple[str, int]:
-        """The new text, and how many of its characters come from tokens within
-        ``min_tokens``: a stop string must end after those (vLLM's rule)."""
-        step = self._decoder.step
-        before = self._num_tokens
-        self._num_tokens += len(token_ids)
-        if before >= self._min_tokens:
-            if len(token_ids) == 1:  # nearly every step
-                return step(token_ids[0]), 0
-            return "".join([step(t) for t in token_ids]), 0
-        split = self._min_tokens - before
-        head = "".join([step(t) for t in token_ids[:split]])
-        return head + "".join([step(t) for t in token_ids[split:]]), len(head)
-
     def _release(self, final: str, held: str) -> None:
         if final:
             self._final.append(final)
-            self._unsent.append(final)
+            self._unsent += final
         self._held = held
 
 
@@ -238,16 +245,24 @@ class StreamDecoder:
     """
 
     def __init__(self, backend: Tokenizer, decode: Decode, skip_special_tokens: bool,
-                 context: list[int]) -> None:
+                 context: list[int], pieces: TokenPieces | None = None) -> None:
         self._backend = backend
         self._decode = decode
         self._skip = skip_special_tokens
+        self._pieces = pieces
         self._offsets: OffsetDecoder | None = None
         self._restart(context)
 
     def step(self, token_id: int) -> str:
         if self._offsets is not None:
             return self._offsets.step(token_id)
+        if self._pieces is not None and not self._held:
+            piece = self._pieces.get(token_id)
+            if piece is not None:  # the stream is behind now: restarted when next needed
+                self._context, self._stream = [token_id], None
+                return piece
+        if self._stream is None:
+            self._restart(self._context)
         try:
             text = self._stream.step(self._backend, token_id)
         except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
@@ -271,9 +286,33 @@ class StreamDecoder:
         return text[len(prefix):]
 
     def _restart(self, context: list[int]) -> None:
-        self._stream = _new_stream(self._backend, context, self._skip)
+        self._stream: Any = _new_stream(self._backend, context, self._skip)
         self._context = context
         self._held: list[int] = []
+
+
+class TokenPieces:
+    """The text of each token that decodes alike wherever it stands, under a byte-level
+    decoder; looked up, and learned on first sight, in place of a ``DecodeStream`` step.
+
+    A byte-level decoder maps each token to bytes on its own and decodes their concatenation
+    as UTF-8, replacing what is invalid. A token whose bytes are valid UTF-8 by themselves
+    therefore adds exactly its own text after any earlier ids, as long as none are held back
+    (an incomplete character before it would come out as U+FFFD with it). Tokens that are not
+    whole characters (``None`` here) go through the stream.
+    """
+
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool) -> None:
+        self._decode = partial(backend.decode, skip_special_tokens=skip_special_tokens)
+        self._pieces: dict[int, str | None] = {}
+
+    def get(self, token_id: int) -> str | None:
+        try:
+            return self._pieces[token_id]
+        except KeyError:
+            text = self._decode([token_id])
+            piece = self._pieces[token_id] = None if REPLACEMENT_CHAR in text else text
+            return piece
 
 
 def make_token_decoder(tokenizer: Any, prompt_token_ids: list[int],
@@ -284,7 +323,8 @@ def make_token_decoder(tokenizer: Any, prompt_token_ids: list[int],
     if backend is not None:
         decode = partial(backend.decode, skip_special_tokens=skip_special_tokens)
         context = _prompt_context(decode, prompt_token_ids)
-        return StreamDecoder(backend, decode, skip_special_tokens, context)
+        return StreamDecoder(backend, decode, skip_special_tokens, context,
+                             token_pieces(tokenizer, backend, skip_special_tokens))
     decode = partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
     return OffsetDecoder(decode, _prompt_context(decode, prompt_token_ids))
 
@@ -292,6 +332,22 @@ def make_token_decoder(tokenizer: Any, prompt_token_ids: list[int],
 _UNKNOWN = object()
 _STREAM_BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _VOCAB_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TOKEN_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_pieces(tokenizer: Any, backend: Tokenizer,
+                 skip_special_tokens: bool) -> TokenPieces | None:
+    """The tokenizer's shared ``TokenPieces`` if its backend's decoder is byte-level (and the
+    tokenizer weak-referenceable), else None."""
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    try:
+        per_skip = _TOKEN_PIECES.setdefault(tokenizer, {})
+    except TypeError:
+        return None
+    if skip_special_tokens not in per_skip:
+        per_skip[skip_special_tokens] = TokenPieces(backend, skip_special_tokens)
+    return per_skip[skip_special_tokens]
 
 
 def vocab_size(tokenizer: Any) -> int:

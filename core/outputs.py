@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 TokenLogprobs = dict[int, float]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence (one of ``n`` choices) of a request."""
 
@@ -25,7 +25,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state or, when streaming, the delta since the last output."""
 

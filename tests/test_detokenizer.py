@@ -18,6 +18,7 @@ from core.detokenizer import (
     IncrementalDetokenizer,
     OffsetDecoder,
     StreamDecoder,
+    token_pieces,
 )
 from gpu.random_model import build_tokenizer
 from tests.token_streams import (
@@ -146,11 +147,14 @@ def test_first_output_tokens_spaced_after_the_prompt(kind):
     assert deltas[0].startswith(" ") and not tokenizer.decode(output).startswith(" ")
 
 
-def test_failing_stream_goes_on_by_offsets(tokenizer):
+def test_failing_stream_goes_on_by_offsets(tokenizer, monkeypatch):
     """``DecodeStream`` refuses decoders that rewrite earlier text; decoding carries on."""
 
     class FailingStream:
+        steps = 0
+
         def step(self, backend, token_id):
+            FailingStream.steps += 1
             raise Exception("Invalid prefix encountered")
 
     ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
@@ -158,8 +162,28 @@ def test_failing_stream_goes_on_by_offsets(tokenizer):
     first, rest = ids[:9], ids[9:]
     detok.update(first, finished=False)
     detok._decoder._stream = FailingStream()
+    monkeypatch.setattr("core.detokenizer._new_stream", lambda *args: FailingStream())
     detok.update(rest, finished=True)
+    assert FailingStream.steps == 1
     assert detok.output_text == tokenizer.decode(ids)
+
+
+def test_whole_character_tokens_skip_the_stream(tokenizer):
+    """Under a byte-level decoder a token that is whole characters is looked up, not decoded
+    by the stream; the stream picks up again, behind those tokens, for one that is not."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say: "), SamplingParams())
+    decoder = detok._decoder
+    words = tokenizer.encode("plain words, nothing more", add_special_tokens=False)
+    for token_id in words:
+        detok.update([token_id], finished=False)
+    assert decoder._stream is None  # never needed
+    emoji = tokenizer.encode(" 😀!", add_special_tokens=False)
+    assert token_pieces(tokenizer, tokenizer.backend_tokenizer, True).get(emoji[1]) is None
+    for token_id in emoji:
+        detok.update([token_id], finished=False)
+    assert detok.get_delta() == tokenizer.decode(words + emoji)
+    metaspace = _metaspace_tokenizer()
+    assert token_pieces(metaspace, metaspace.backend_tokenizer, True) is None
 
 
 def test_bad_token_id_raises(tokenizer):
