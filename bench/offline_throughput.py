@@ -8,7 +8,8 @@ caches. Prints and writes ``bench/results/offline_throughput.json`` (the name ga
 defaults).
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
-    python -m bench.offline_throughput --model core/default_model --min-len 32 --max-len 120
+    python -m bench.offline_throughput --model core/default_model --min-len 32 --max-len 120 \
+        --max-num-seqs 64
     python -m bench.offline_throughput --device cuda --shape qwen2.5-0.5b --dtype bfloat16 \
         --num-prompts 512 --max-num-seqs 256 --hf-batch-size 128
 """
@@ -100,7 +101,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     # each side at its best batch on the 2-core CPU: tidal 128 (1,315 tok/s; 64: 1,136;
-    # 256: 1,228), HF 64 (623 tok/s; 32: 556; 16: 491; 128: 410), float32
+    # 256: 1,228), HF 64 (623 tok/s; 32: 556; 16: 491; 128: 410), float32. The embedded
+    # model, whose KV cache is larger for its size, wants 64: tidal 6,353 (32: 6,103; 48:
+    # 6,255; 96: 6,081; 128: 5,846; 256: 5,896), HF 64 (1,880; 32: 1,825; 128: 1,502)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help="tidal's token budget (default: LLM's for the device)")
