@@ -125,6 +125,25 @@ def test_random_ids_decode_like_a_whole_decode(tokenizer, data):
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_token_pieces_stream_the_same_deltas_as_the_stream_alone(tokenizer, data):
+    """Step by step, not only in the end: any ids, invalid UTF-8 and special tokens included."""
+    vocab = len(tokenizer)
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40), label="ids")
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=10), label="prompt")
+    skip = data.draw(st.booleans(), label="skip")
+    params = SamplingParams(skip_special_tokens=skip)
+    deltas = []
+    for use_pieces in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, prompt, params)
+        assert detok._decoder._pieces is not None
+        if not use_pieces:
+            detok._decoder._pieces = None
+        deltas.append(feed(detok, split_ids(ids, "one") or [[]])[0])
+    assert deltas[0] == deltas[1]
+
+
 def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
     """A SentencePiece-style tokenizer: a word's leading space is part of its token, and the
     decoder drops it from the first token."""
