@@ -103,14 +103,19 @@ def test_offsets_decode_a_bounded_window(tokenizer):
     assert max(plain.decoded_lengths) <= MAX_PROMPT_CONTEXT + MAX_HELD_TOKENS
 
 
+def _draw_ids_prompt_skip(tokenizer, data) -> tuple[list[int], list[int], bool]:
+    """Any ids (invalid UTF-8 and special tokens included), a prompt and skip_special_tokens."""
+    vocab = len(tokenizer)
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40), label="ids")
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=10), label="prompt")
+    return ids, prompt, data.draw(st.booleans(), label="skip")
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_random_ids_decode_like_a_whole_decode(tokenizer, data):
     """Any ids, invalid UTF-8 and special tokens included, with any prompt and chunking."""
-    vocab = len(tokenizer)
-    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40), label="ids")
-    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=10), label="prompt")
-    skip = data.draw(st.booleans(), label="skip")
+    ids, prompt, skip = _draw_ids_prompt_skip(tokenizer, data)
     kind = data.draw(st.sampled_from(["stream", "offsets"]), label="kind")
     sizes = data.draw(st.lists(st.integers(1, 6), min_size=len(ids), max_size=len(ids)))
     chunks, i = [], 0
@@ -129,10 +134,7 @@ def test_random_ids_decode_like_a_whole_decode(tokenizer, data):
 @given(data=st.data())
 def test_token_pieces_stream_the_same_deltas_as_the_stream_alone(tokenizer, data):
     """Step by step, not only in the end: any ids, invalid UTF-8 and special tokens included."""
-    vocab = len(tokenizer)
-    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40), label="ids")
-    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=10), label="prompt")
-    skip = data.draw(st.booleans(), label="skip")
+    ids, prompt, skip = _draw_ids_prompt_skip(tokenizer, data)
     params = SamplingParams(skip_special_tokens=skip)
     deltas = []
     for use_pieces in (True, False):
