@@ -10,12 +10,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from core import SamplingParams
-from core.detokenizer import (
+from core.detokenizer import DetokenizationError, IncrementalDetokenizer
+from core.token_decoders import (
     MAX_HELD_TOKENS,
     MAX_PROMPT_CONTEXT,
     REPLACEMENT_CHAR,
-    DetokenizationError,
-    IncrementalDetokenizer,
     OffsetDecoder,
     StreamDecoder,
     token_pieces,
@@ -183,7 +182,7 @@ def test_failing_stream_goes_on_by_offsets(tokenizer, monkeypatch):
     first, rest = ids[:9], ids[9:]
     detok.update(first, finished=False)
     detok._decoder._stream = FailingStream()
-    monkeypatch.setattr("core.detokenizer._new_stream", lambda *args: FailingStream())
+    monkeypatch.setattr("core.token_decoders._new_stream", lambda *args: FailingStream())
     detok.update(rest, finished=True)
     assert FailingStream.steps == 1
     assert detok.output_text == tokenizer.decode(ids)

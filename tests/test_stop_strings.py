@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import LLM, SamplingParams
-from core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from core.detokenizer import IncrementalDetokenizer
 from core.output_processor import OutputProcessor, ParentRequest
 from core.request import Request, RequestStatus
 from core.scheduler import RequestUpdate
+from core.token_decoders import REPLACEMENT_CHAR
 from gpu.random_model import build_model_dir, build_tokenizer
 from tests.token_streams import feed, split_ids, tokenizer_kinds
 
