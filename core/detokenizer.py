@@ -89,16 +89,14 @@ class IncrementalDetokenizer:
         """The new text, and how many of its characters come from tokens within
         ``min_tokens``: a stop string must end after those (vLLM's rule). Checks every id
         before decoding any."""
-        if len(token_ids) == 1 and 0 <= token_ids[0] < self._vocab_size:
-            if self._num_tokens >= self._min_tokens:  # nearly every step
-                self._num_tokens += 1
-                return self._decoder.step(token_ids[0]), 0
-        else:
-            self._check_ids(token_ids)
+        if len(token_ids) != 1 or not 0 <= token_ids[0] < self._vocab_size:
+            self._check_ids(token_ids)  # one valid id: nearly every step, checked inline
         step = self._decoder.step
         before = self._num_tokens
         self._num_tokens += len(token_ids)
         if before >= self._min_tokens:
+            if len(token_ids) == 1:
+                return step(token_ids[0]), 0
             return "".join([step(t) for t in token_ids]), 0
         split = self._min_tokens - before
         head = "".join([step(t) for t in token_ids[:split]])
