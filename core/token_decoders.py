@@ -111,11 +111,11 @@ class StreamDecoder:
             return self._offsets.step(token_id)
         if self._pieces is not None and not self._held:
             piece = self._pieces.get(token_id)
-            if piece is not None:  # the stream is behind now: restarted when next needed
+            if piece is not None:  # nothing held: only the context moves on
                 self._context, self._stream = [token_id], None
                 return piece
         if self._stream is None:
-            self._restart(self._context)
+            self._stream = _new_stream(self._backend, self._context, self._skip)
         try:
             text = self._stream.step(self._backend, token_id)
         except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
@@ -139,7 +139,9 @@ class StreamDecoder:
         return text[len(prefix):]
 
     def _restart(self, context: list[int]) -> None:
-        self._stream: Any = _new_stream(self._backend, context, self._skip)
+        """Go on after ``context``, the ids of the last text released. The stream is built
+        when a token needs it: under ``TokenPieces`` most never do."""
+        self._stream: Any = None
         self._context = context
         self._held: list[int] = []
 
