@@ -14,7 +14,10 @@ Workloads (greedy, EOS ignored, prompts are text of exact token lengths):
 
 With ``--repeats N`` every workload runs N rounds, the servers alternating, and each server's
 median round (by output tok/s) is the one reported, beside every round's output tok/s: a
-single run of a few seconds moves with the host's load.
+single run of a few seconds moves with the host's load. Before a workload's first round each
+server gets one unmeasured wave of it: as many requests as its concurrency, of its prompt and
+output lengths (``--no-scenario-warmup`` skips it). Without it, the peer's first round at a new
+concurrency was often its slowest; a burst of short outputs did not cure that, a whole wave did.
 
     python -m bench.serving_comparison --quick          # a smoke run, about a minute
     python -m bench.serving_comparison                  # the full run, 15-30 min on 2 cores
@@ -46,6 +49,8 @@ PEERS = ("transformers", "none")
 # uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.
 ROUND_SEED_STEP = 10
 MAX_REPEATS = 99
+# A scenario's warm-up burst takes seed + this, past every round's seeds.
+WARM_UP_SEED_OFFSET = ROUND_SEED_STEP * MAX_REPEATS + 5
 
 
 @dataclass
@@ -128,11 +133,12 @@ def start_server(kind: str, model: str, server_args: list[str]) -> LaunchedServe
     return TransformersServe(model, server_args)
 
 
-def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int) -> None:
-    """A few short requests first: the peer builds its batching manager on the first one,
-    and both servers' first steps pay one-off costs."""
-    prompts = text_prompts(tokenizer, requests, 16, seed=7)
-    work = Workload(16, 8, requests, concurrency=requests)
+def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int,
+            input_len: int = 16, output_len: int = 8, seed: int = 7) -> None:
+    """``requests`` requests at once, unmeasured: the peer builds its batching manager on the
+    first one, and both servers' first steps at a new batch size pay one-off costs."""
+    prompts = text_prompts(tokenizer, requests, input_len, seed=seed)
+    work = Workload(input_len, output_len, requests, concurrency=requests)
     report = run_event_loop(run_classes(server.url, server.model,
                                         {"all": RequestClass(work, list(prompts))}, flavor))
     failed = report["classes"]["all"]["failed"]
@@ -159,6 +165,10 @@ def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
             runs[kind]["ready_after_s"] = time.perf_counter() - started
             warm_up(server, kind, tokenizer, args.warmup)
         for scenario, round_classes in prepared:
+            if args.scenario_warmup:
+                for kind, server in servers.items():
+                    warm_up(server, kind, tokenizer, scenario.concurrency, scenario.input_len,
+                            scenario.output_len, scenario.seed + WARM_UP_SEED_OFFSET)
             rounds: dict[str, list[dict]] = {kind: [] for kind in servers}
             for classes in round_classes:
                 for kind, server in servers.items():
@@ -250,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rounds of every workload on each server, alternating; each server's "
                     "median round by output tok/s is reported, every round's tok/s kept")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per server")
+    ap.add_argument("--scenario-warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="before each workload, one unmeasured wave of it on each server: as "
+                    "many requests as its concurrency, of its prompt and output lengths")
     ap.add_argument("--name", default=None, help="results basename (default: "
                     "serving_comparison, or serving_comparison-quick with --quick)")
     ap.add_argument("--no-plots", action="store_true")
@@ -331,7 +344,8 @@ def main(argv: list[str] | None = None) -> Path:
             "peer_args": args.peer_arg if args.peer != "none" else None,
             "load_average": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
             "cpu_count": os.cpu_count(), "notes": args.note, "argv": sys.argv[1:],
-            "interleaved": args.interleave, "repeats": args.repeats, "runs": runs},
+            "interleaved": args.interleave, "repeats": args.repeats,
+            "scenario_warmup": args.scenario_warmup, "runs": runs},
         "scenarios": [asdict(s) | {"reports": {k: reports[k].get(s.name) for k in kinds}}
                       for s in scenarios],
     }

@@ -222,12 +222,23 @@ def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    warm_ups = []
+
+    def warm_up(server: Any, flavor: str, tokenizer: Any, requests: int, *args: Any) -> None:
+        warm_ups.append((requests, *args[:1]))
+        real_warm_up(server, flavor, tokenizer, requests, *args)
+
+    real_warm_up = harness.warm_up
+    monkeypatch.setattr(harness, "warm_up", warm_up)
     path = harness.main(["--quick", "--peer", "none", "--model", str(tiny_model),
                          "--long-len", "300", "--output-len", str(OUT), "--name", "smoke",
                          "--server-arg=--kv-cache-memory=8MiB", "--repeats", "2"])
     result = json.loads(path.read_text())
     names = [s["name"] for s in result["scenarios"]]
     assert names == ["c1-in32", "c4-in32", "shared-prefix", "mixed"]
+    # the server's start, then each workload's concurrency and prompt length
+    assert warm_ups == [(2,), (1, 32), (4, 32), (4, 96), (2, 32)]
+    assert result["setup"]["scenario_warmup"] is True
     for scenario in result["scenarios"]:
         for cls in scenario["reports"]["tidal"]["classes"].values():
             assert cls["failed"] == 0 and cls["completed"] > 0
