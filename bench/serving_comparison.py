@@ -49,7 +49,7 @@ PEERS = ("transformers", "none")
 # uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.
 ROUND_SEED_STEP = 10
 MAX_REPEATS = 99
-# A scenario's warm-up burst takes seed + this, past every round's seeds.
+# A scenario's warm-up wave takes seed + this, past every round's seeds.
 WARM_UP_SEED_OFFSET = ROUND_SEED_STEP * MAX_REPEATS + 5
 
 

@@ -203,6 +203,7 @@ def token_pieces(tokenizer: Any, backend: Tokenizer,
         per_skip[skip_special_tokens] = TokenPieces(backend, skip_special_tokens)
     return per_skip[skip_special_tokens]
 
+
 def stream_backend(tokenizer: Any) -> Tokenizer | None:
     """The tokenizer's ``tokenizers`` backend if ``DecodeStream`` over it decodes as the
     tokenizer's own ``decode`` does (checked once per tokenizer on a probe), else None."""
