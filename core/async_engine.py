@@ -181,28 +181,32 @@ class AsyncEngine:
         loop then streams them while the model computes, instead of taking the GIL from the
         next step's scheduling. Outputs are posted at once when no step follows."""
         try:
-            while True:
-                idle = not self.core.has_unfinished_requests()
-                if idle:
-                    self._flush()
-                errors = self._drain(block=idle)
-                if errors is None:
-                    self._flush()
-                    return
-                outputs: list = list(errors)
-                if self.core.has_unfinished_requests():
-                    outputs.extend(self.core.step(before_forward=self._flush_in_step))
-                step_done = time.monotonic()  # when these tokens were sampled, for latency
-                for out in outputs:
-                    if isinstance(out, RequestOutput):
-                        out.metrics["step_done"] = step_done
-                self._flush()  # the step ran no forward, so nothing posted the last outputs
-                self._pending = (outputs, self.core.stats())
+            with self.core.step_modes():  # held for the thread's life, not entered per step
+                self._step_until_stopped()
         except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiter
             logger.exception("the engine thread died")
             self._dead = exc
             self._flush()
             self._call_loop(self._fail_all, EngineDeadError(f"the engine died: {exc!r}"))
+
+    def _step_until_stopped(self) -> None:
+        while True:
+            idle = not self.core.has_unfinished_requests()
+            if idle:
+                self._flush()
+            errors = self._drain(block=idle)
+            if errors is None:
+                self._flush()
+                return
+            outputs: list = list(errors)
+            if self.core.has_unfinished_requests():
+                outputs.extend(self.core.step(before_forward=self._flush_in_step))
+            step_done = time.monotonic()  # when these tokens were sampled, for latency
+            for out in outputs:
+                if isinstance(out, RequestOutput):
+                    out.metrics["step_done"] = step_done
+            self._flush()  # the step ran no forward, so nothing posted the last outputs
+            self._pending = (outputs, self.core.stats())
 
     def _flush(self) -> None:
         """Post the outputs waiting for the event loop, if any."""

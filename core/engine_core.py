@@ -6,6 +6,7 @@ and the offline ``LLM`` calls it directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -138,6 +139,11 @@ class EngineCore:
             self._in_flight = None if sched.is_empty else handle
             return self._process(previous)
         return self._process(handle)
+
+    def step_modes(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the device's step modes on this thread for a run of steps, rather than
+        entering them in every step (see ``ModelRunner.step_modes``)."""
+        return self.runner.step_modes()
 
     def _process(self, handle: StepHandle | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens: stop checks, detokenization, deltas."""

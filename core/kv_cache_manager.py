@@ -21,6 +21,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
+        # per request: how many computed tokens its blocks take before ``allocate_slots`` has
+        # anything to do (a block to add, or one newly full to register for prefix hits)
+        self._room: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -58,9 +61,9 @@ class KVCacheManager:
         Returns the newly allocated blocks, or ``None`` (nothing changed) when too few are
         free.
         """
+        if not computed_blocks and self.has_room(request, num_new_tokens):
+            return []
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
-        if not computed_blocks and self._fits(request, total):
-            return []  # most decode steps: room in the last block, no block newly full
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_new = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
@@ -73,25 +76,25 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new_blocks)
+        room = len(blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+            # the next block to fill must be registered once full
+            room = min(room, (self.num_cached_blocks[request.request_id] + 1) * self.block_size - 1)
+        self._room[request.request_id] = room
         return new_blocks
 
-    def _fits(self, request: Request, total: int) -> bool:
-        """Whether ``request``'s blocks hold ``total`` tokens and none of its blocks would
-        become full of known tokens: then ``allocate_slots`` has nothing to do."""
-        blocks = self.req_blocks.get(request.request_id)
-        if not blocks or total > len(blocks) * self.block_size:
-            return False
-        if not self.enable_caching:
-            return True
-        full = min(total, request.num_tokens) // self.block_size
-        return full <= self.num_cached_blocks.get(request.request_id, 0)
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``request``'s blocks hold ``num_new_tokens`` more computed tokens with none
+        of them becoming full: then ``allocate_slots`` has nothing to do (most decode steps)."""
+        return (request.num_computed_tokens + num_new_tokens
+                <= self._room.get(request.request_id, -1))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its last blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._room.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

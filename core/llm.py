@@ -80,16 +80,17 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, num_tokens = time.perf_counter(), 0
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                num_tokens += sum(len(o.token_ids) for o in delta.outputs)
-                if delta.request_id in results:
-                    results[delta.request_id].merge(delta)
-                else:
-                    results[delta.request_id] = delta
-                if delta.finished:
-                    bar.update(1)
-            elapsed = time.perf_counter() - start
-            bar.set_postfix_str(f"{num_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
+        with self.engine.step_modes():  # held for the whole run, not per step
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    num_tokens += sum(len(o.token_ids) for o in delta.outputs)
+                    if delta.request_id in results:
+                        results[delta.request_id].merge(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    if delta.finished:
+                        bar.update(1)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"{num_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
         bar.close()
         return results

@@ -65,22 +65,22 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []  # hashes of this request's full blocks
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        # Counters kept as attributes, not properties over the lists: the scheduler reads
+        # them several times per request per step.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_output_tokens = len(self.output_token_ids)
+        self.num_tokens = len(self.all_token_ids)
+        params = self.sampling_params
+        stops = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stops.add(self.eos_token_id)
+        self.stop_token_set = frozenset(stops)  # ids that finish it once past min_tokens
+        # the scheduler caps it by the model's context as well
+        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 2**62
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status > _LAST_UNFINISHED
 
     @property
     def finish_reason(self) -> str | None:
@@ -89,3 +89,5 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_output_tokens += 1
+        self.num_tokens += 1

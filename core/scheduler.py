@@ -18,12 +18,7 @@ from dataclasses import dataclass
 from core.kv_cache_manager import KVCacheManager
 from core.outputs import TokenLogprobs
 from core.request import Request, RequestStatus
-from core.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -66,6 +61,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             request.error = error
             return error
+        request.max_output_tokens = min(request.max_output_tokens,
+                                        self.config.max_model_len - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return None
@@ -109,39 +106,36 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
+        new_block_ids: dict[str, list[int]] = {}
         new: list[NewRequestData] = []
         preempted: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n, cost = self._chunk(self._num_new_tokens(request), request.num_computed_tokens,
-                                  budget)
-            if n <= 0:  # its last token is already being sampled by the step in flight
-                i += 1
-                continue
-            new_blocks = self._allocate_or_preempt(request, n, preempted)
-            if new_blocks is None:
-                break  # the request itself was preempted
-            cached.append(CachedRequestData(request.request_id,
-                                            [b.block_id for b in new_blocks],
-                                            request.num_computed_tokens))
-            num_scheduled[request.request_id] = n
+            wanted = self._num_new_tokens(request)
+            if wanted == 1:  # a decode: one token, one of the budget
+                n = cost = 1
+            else:
+                n, cost = self._chunk(wanted, request.num_computed_tokens, budget)
+                if n <= 0:  # its last token is already being sampled by the step in flight
+                    i += 1
+                    continue
+            if not self.kv.has_room(request, n):
+                new_blocks = self._allocate_or_preempt(request, n, preempted)
+                if new_blocks is None:
+                    break  # the request itself was preempted
+                if new_blocks:
+                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            self._schedule_tokens(request, n, num_scheduled)
             budget -= cost
             i += 1
 
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new)
 
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += n
-            if (self.config.async_scheduling and request.num_computed_tokens
-                    >= request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1
         output = SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            scheduled_new_reqs=new, new_block_ids=new_block_ids,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
@@ -149,6 +143,14 @@ class Scheduler:
         )
         self._finished_ids = set()
         return output
+
+    def _schedule_tokens(self, request: Request, n: int, num_scheduled: dict[str, int]) -> None:
+        """Count ``n`` tokens of ``request`` as computed by this step."""
+        num_scheduled[request.request_id] = n
+        request.num_computed_tokens += n
+        if (self.config.async_scheduling and request.num_computed_tokens
+                >= request.num_tokens + request.num_output_placeholders):
+            request.num_output_placeholders += 1
 
     def _chunk(self, wanted: int, num_computed: int, budget: int) -> tuple[int, int]:
         """(tokens to schedule, what they cost of the budget) of ``wanted`` new tokens after
@@ -171,12 +173,8 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request) -> int:
         pending = request.num_output_placeholders
-        if pending:
-            params = request.sampling_params
-            expected = request.num_output_tokens + pending
-            if ((params.max_tokens is not None and expected >= params.max_tokens)
-                    or request.num_tokens + pending >= self.config.max_model_len):
-                return 0  # the step in flight samples its last token
+        if pending and request.num_output_tokens + pending >= request.max_output_tokens:
+            return 0  # the step in flight samples its last token
         return request.num_tokens + pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]):
@@ -222,7 +220,7 @@ class Scheduler:
                 block_ids=self.kv.block_ids(request.request_id),
                 num_computed_tokens=num_hit, seed=request.sampling_params.seed,
                 eos_token_id=request.eos_token_id))
-            num_scheduled[request.request_id] = n
+            self._schedule_tokens(request, n, num_scheduled)
             budget -= cost
         return budget
 
@@ -230,39 +228,36 @@ class Scheduler:
     def update_from_output(self, output: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
         requests = self.requests
-        for i, req_id in enumerate(output.req_ids):
-            request = requests.get(req_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
-            logprobs = output.logprobs[i] if output.logprobs is not None else None
-            appended = []
-            for token_id in output.sampled_token_ids[i]:
-                if request.num_output_placeholders:
-                    request.num_output_placeholders -= 1
-                request.append_output_token(token_id)
-                appended.append(token_id)
+        logprobs = output.logprobs
+        for i, (req_id, token_id) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
+            request = requests.get(req_id)  # only unfinished requests are in it
+            if request is None:
+                continue  # finished (aborted, say) while the step ran
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            request.append_output_token(token_id)
+            finished = False
+            if (token_id in request.stop_token_set
+                    or request.num_output_tokens >= request.max_output_tokens):
                 status = self._stop_status(request, token_id)
                 if status is not None:
                     self._dequeue(request)
                     self._finish(request, status)
-                    break
-            if logprobs is not None:
-                logprobs = logprobs[:len(appended)]
-            updates.append(RequestUpdate(request, appended, logprobs, request.is_finished))
+                    finished = True
+            updates.append(RequestUpdate(request, [token_id],
+                                         None if logprobs is None else [logprobs[i]], finished))
         return updates
 
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+    @staticmethod
+    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
+        """Why ``request`` stops after its newest token ``token_id``, if it does."""
         params = request.sampling_params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
+        if (token_id in request.stop_token_set
+                and request.num_output_tokens >= params.min_tokens):
+            if token_id != request.eos_token_id or params.ignore_eos:
+                request.stop_reason = token_id  # a stop token id, not EOS
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

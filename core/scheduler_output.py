@@ -23,18 +23,11 @@ class NewRequestData:
 
 
 @dataclass
-class CachedRequestData:
-    """A request already in the runner's persistent batch: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    # Blocks added to requests the runner already holds. Nothing else about them is sent: the
+    # runner advances their computed tokens by ``num_scheduled_tokens`` itself.
+    new_block_ids: dict[str, list[int]]
     num_scheduled_tokens: dict[str, int]  # in batch order: running requests first
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # to drop from the batch
@@ -47,11 +40,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Tokens sampled in one step, for the requests whose whole known context was computed."""
+    """The token sampled in one step for each request whose whole known context was
+    computed."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprobs]] | None = None  # per request, per token
+    sampled_token_ids: list[int]  # one per request
+    logprobs: list[TokenLogprobs] | None = None  # one per request
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -110,7 +110,7 @@ class StreamDecoder:
         if self._offsets is not None:
             return self._offsets.step(token_id)
         if self._pieces is not None and not self._held:
-            piece = self._pieces.get(token_id)
+            piece = self._pieces[token_id]
             if piece is not None:  # nothing held: only the context moves on
                 self._context, self._stream = [token_id], None
                 return piece
@@ -146,7 +146,7 @@ class StreamDecoder:
         self._held: list[int] = []
 
 
-class TokenPieces:
+class TokenPieces(dict[int, "str | None"]):
     """The text of each token that decodes alike wherever it stands, under a byte-level
     decoder; looked up, and learned on first sight, in place of a ``DecodeStream`` step.
 
@@ -155,19 +155,19 @@ class TokenPieces:
     therefore adds exactly its own text after any earlier ids, as long as none are held back
     (an incomplete character before it would come out as U+FFFD with it). Tokens that are not
     whole characters (``None`` here) go through the stream.
+
+    A dict subclass so that a known token (nearly every one) costs a plain lookup; an unknown
+    one is decoded in ``__missing__``.
     """
 
     def __init__(self, backend: Tokenizer, skip_special_tokens: bool) -> None:
+        super().__init__()
         self._decode = partial(backend.decode, skip_special_tokens=skip_special_tokens)
-        self._pieces: dict[int, str | None] = {}
 
-    def get(self, token_id: int) -> str | None:
-        try:
-            return self._pieces[token_id]
-        except KeyError:
-            text = self._decode([token_id])
-            piece = self._pieces[token_id] = None if REPLACEMENT_CHAR in text else text
-            return piece
+    def __missing__(self, token_id: int) -> str | None:
+        text = self._decode([token_id])
+        piece = self[token_id] = None if REPLACEMENT_CHAR in text else text
+        return piece
 
 
 def make_token_decoder(tokenizer: Any, prompt_token_ids: list[int],

@@ -3,14 +3,15 @@ preallocated host arrays, updated from the scheduler's diffs rather than rebuilt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from core.sampling_params import SamplingParams
-from core.scheduler_output import CachedRequestData, NewRequestData
+from core.scheduler_output import NewRequestData
+from gpu.sampling_metadata import needs_metadata
 
 if TYPE_CHECKING:
     from gpu.sampling_metadata import RowSampling
@@ -27,9 +28,13 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_blocks: int
     num_pending: int = 0  # sampled by a step whose result has not reached the host yet
-    output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     sampling: RowSampling | None = None  # the sampler's view of params, built on first use
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens so far, those still on the device included."""
+        return self.num_tokens - self.num_prompt_tokens + self.num_pending
 
 
 class InputBatch:
@@ -43,6 +48,9 @@ class InputBatch:
         # the same tokens whether or not the request was preempted.
         self._parked_generators: dict[str, torch.Generator] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # requests whose sampling needs metadata (not plain greedy, or logprobs): while there
+        # are none, a step's metadata is built without looking at its rows
+        self.num_needing_metadata = 0
 
     def add(self, new: NewRequestData) -> None:
         self.remove(new.req_id, keep_generator=True)  # a resumed request comes back in full
@@ -57,35 +65,40 @@ class InputBatch:
         self.states[new.req_id] = CachedRequestState(
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens, num_tokens=n,
             num_computed_tokens=new.num_computed_tokens, params=new.sampling_params,
-            generator=generator, num_blocks=len(new.block_ids),
-            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
-            eos_token_id=new.eos_token_id)
+            generator=generator, num_blocks=len(new.block_ids), eos_token_id=new.eos_token_id)
+        self.num_needing_metadata += needs_metadata(new.sampling_params)
 
-    def update(self, cached: CachedRequestData) -> None:
-        state = self.states[cached.req_id]
-        k = len(cached.new_block_ids)
-        if k:
-            self.block_table[state.row, state.num_blocks:state.num_blocks + k] = \
-                cached.new_block_ids
-            state.num_blocks += k
-        state.num_computed_tokens = cached.num_computed_tokens
+    def add_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        state = self.states[req_id]
+        k = len(block_ids)
+        self.block_table[state.row, state.num_blocks:state.num_blocks + k] = block_ids
+        state.num_blocks += k
 
     def remove(self, req_id: str, keep_generator: bool = False) -> None:
         """Drop a request's row; ``keep_generator`` parks its generator for its return."""
         state = self.states.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.num_needing_metadata -= needs_metadata(state.params)
             if keep_generator and state.generator is not None:
                 self._parked_generators[req_id] = state.generator
         if not keep_generator:
             self._parked_generators.pop(req_id, None)
 
-    def append_token(self, state: CachedRequestState, token_id: int) -> None:
-        if self.states.get(state.req_id) is not state:
-            return  # finished or preempted while its step ran
-        self.token_ids[state.row, state.num_tokens] = token_id
-        state.num_tokens += 1
-        state.output_token_ids.append(token_id)
+    def append_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """Record the tokens a launched step sampled, one per state, each state's pending
+        count going down; a state finished or preempted while its step ran only drops the
+        count."""
+        live = self.states
+        rows, cols, kept = [], [], []
+        for state, token_id in zip(states, token_ids):
+            state.num_pending -= 1
+            if live.get(state.req_id) is state:
+                rows.append(state.row)
+                cols.append(state.num_tokens)
+                kept.append(token_id)
+                state.num_tokens += 1
+        self.token_ids[rows, cols] = kept  # one write: a scalar one per row costs more
 
     def prompt_token_ids(self, state: CachedRequestState) -> np.ndarray:
         return self.token_ids[state.row, :state.num_prompt_tokens]

@@ -68,6 +68,15 @@ def row_sampling(params: SamplingParams, eos_token_id: int | None,
         logprobs=None if params.logprobs is None else min(params.logprobs, vocab_size))
 
 
+def needs_metadata(params: SamplingParams) -> bool:
+    """Whether a request's rows may need more than a plain argmax: sampling, penalties,
+    logit bias, min_tokens or logprobs. (False is exact; True may still build none.)"""
+    return not (params.greedy and params.presence_penalty == 0.0
+                and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+                and not params.logit_bias and params.min_tokens == 0
+                and params.logprobs is None)
+
+
 @dataclass
 class Penalties:
     """Penalty data for the subset of rows that asked for a penalty.
@@ -133,11 +142,13 @@ def build_sampling_metadata(batch: InputBatch, states: list[CachedRequestState],
     ``in_flight`` is the step still running: its sampled ids (on the device) and each
     request's row in them; penalties count those tokens without waiting for them.
     """
+    if not batch.num_needing_metadata:  # every row of the batch is a plain argmax
+        return SamplingMetadata(len(states), None)
     rows = [_sampling_of(s, vocab_size) for s in states]
     asked = [r.logprobs for r in rows if r.logprobs is not None]
     meta = SamplingMetadata(len(states), max(asked) if asked else None)
     min_tokens_rows = [i for i, (s, r) in enumerate(zip(states, rows))
-                       if r.min_tokens and _num_outputs(s) < r.min_tokens]
+                       if r.min_tokens and s.num_outputs < r.min_tokens]
     if not min_tokens_rows and all(r.plain_greedy for r in rows):
         return meta
     pack = _Packer()
@@ -161,10 +172,6 @@ def _sampling_of(state: CachedRequestState, vocab_size: int) -> RowSampling:
     if state.sampling is None:
         state.sampling = row_sampling(state.params, state.eos_token_id, vocab_size)
     return state.sampling
-
-
-def _num_outputs(state: CachedRequestState) -> int:
-    return len(state.output_token_ids) + state.num_pending
 
 
 # -- packing: every host array goes into one float and one int64 buffer ------------------

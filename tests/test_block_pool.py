@@ -78,10 +78,13 @@ def test_a_block_filled_by_decoded_tokens_is_cached_once_full():
     req.num_computed_tokens = 6
     for position, token in ((6, 100), (7, 101)):
         req.append_output_token(token)
+        # position 7 fills the second block: the scheduler must call allocate_slots for it
+        assert kv.has_room(req, 1) == (position == 6)
         assert kv.allocate_slots(req, 1) == []  # room in the second block
         req.num_computed_tokens = position + 1
         assert kv.num_cached_blocks["a"] == (1 if position == 6 else 2)
     req.append_output_token(102)
+    assert not kv.has_room(req, 1)
     assert len(kv.allocate_slots(req, 1)) == 1  # position 8 starts a third block
     kv.free(req)
     again = _request("b", [*range(6), 100, 101, 5])

@@ -198,7 +198,9 @@ def test_whole_character_tokens_skip_the_stream(tokenizer):
         detok.update([token_id], finished=False)
     assert decoder._stream is None  # never needed
     emoji = tokenizer.encode(" 😀!", add_special_tokens=False)
-    assert token_pieces(tokenizer, tokenizer.backend_tokenizer, True).get(emoji[1]) is None
+    pieces = token_pieces(tokenizer, tokenizer.backend_tokenizer, True)
+    assert pieces is not None and pieces[emoji[1]] is None  # part of a character
+    assert pieces[words[0]] == tokenizer.decode([words[0]])
     for token_id in emoji:
         detok.update([token_id], finished=False)
     assert detok.get_delta() == tokenizer.decode(words + emoji)

@@ -84,3 +84,21 @@ def test_offline_cpu_budget_defaults_larger_than_the_servers(llm):
     assert DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS > DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
     chosen = LLM(llm.engine.config.model, max_num_seqs=2, max_num_batched_tokens=48)
     assert chosen.engine.config.max_num_batched_tokens == 48
+
+
+def test_generate_leaves_the_callers_thread_modes_as_they_were(llm):
+    """The step modes (inference mode, flushed denormals) are held for a whole run of steps,
+    then given back."""
+    import torch
+
+    assert not torch.is_inference_mode_enabled()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert not torch.is_inference_mode_enabled()
+    assert float("1e-310") * 3 > 0.0  # a denormal double: not flushed to zero here
+    with llm.engine.step_modes():
+        assert torch.is_inference_mode_enabled()
+        with llm.engine.step_modes():  # nested: held already
+            llm.engine.step()
+        assert torch.is_inference_mode_enabled()
+    assert not torch.is_inference_mode_enabled()
+

@@ -23,7 +23,7 @@ EOS = 3
 def _batch(requests: list[tuple[SamplingParams, list[int], list[int]]],
            ) -> tuple[InputBatch, list[CachedRequestState]]:
     """A persistent batch holding ``(params, prompt, outputs so far)`` per request."""
-    batch = InputBatch(max_num_reqs=len(requests), max_model_len=256, max_blocks_per_req=16,
+    batch = InputBatch(max_num_reqs=len(requests) + 1, max_model_len=256, max_blocks_per_req=16,
                        device="cpu")
     for i, (params, prompt, outputs) in enumerate(requests):
         batch.add(NewRequestData(
@@ -165,8 +165,9 @@ def _seeded_run(position: int, others: list[SamplingParams], steps: int = 12) ->
         logits[position] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(step))
         meta = build_sampling_metadata(batch, states, VOCAB, "cpu")
         ids = Sampler()(logits, meta).sampled_token_ids.tolist()
-        for state, token in zip(states, ids):
-            batch.append_token(state, token)
+        for state in states:
+            state.num_pending += 1  # as the runner counts a launched step
+        batch.append_tokens(states, ids)
         tokens.append(ids[position])
     return tokens
 
@@ -298,6 +299,22 @@ def test_plain_greedy_batch_builds_no_tensor():
     batch, states = _batch([(params, [4], [5]), (SamplingParams(temperature=0.0), [4], [])])
     meta = build_sampling_metadata(batch, states, VOCAB, "cpu")
     assert meta.plain_greedy and meta.max_num_logprobs is None
+
+
+def test_the_batch_counts_requests_that_need_metadata():
+    """A batch with no such request skips its rows; one that joins, and leaves, is counted."""
+    plain = SamplingParams(temperature=0.0)
+    batch, states = _batch([(plain, [4], []), (plain, [5], [])])
+    assert batch.num_needing_metadata == 0
+    batch.add(NewRequestData(req_id="lp", token_ids=[6], num_prompt_tokens=1,
+                             sampling_params=SamplingParams(temperature=0.0, logprobs=2),
+                             block_ids=[], num_computed_tokens=0, seed=None))
+    assert batch.num_needing_metadata == 1
+    meta = build_sampling_metadata(batch, [*states, batch.states["lp"]], VOCAB, "cpu")
+    assert meta.max_num_logprobs == 2
+    batch.remove("lp", keep_generator=True)  # preempted: gone from the batch all the same
+    assert batch.num_needing_metadata == 0
+    assert build_sampling_metadata(batch, states, VOCAB, "cpu").max_num_logprobs is None
 
 
 # -- end to end through LLM ------------------------------------------------------------------
