@@ -67,13 +67,14 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_new = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
-        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
         if num_new > self.pool.num_free_blocks - idle_hits:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
-        self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new_blocks)
         room = len(blocks) * self.block_size

@@ -76,19 +76,19 @@ class OutputProcessor:
     def _completion(self, update: RequestUpdate, child: ChildState,
                     stop: StopFn) -> CompletionOutput:
         request = update.request
-        # the update's list is the scheduler's fresh one for this step: no copy needed
-        completion = CompletionOutput(index=child.index, token_ids=update.new_token_ids)
-        if child.wants_logprobs:
-            completion.logprobs = list(update.new_logprobs or [])
+        detokenizer = child.detokenizer
         try:
-            stop_str = child.detokenizer.update(update.new_token_ids, update.finished)
+            stop_str = detokenizer.update(update.new_token_ids, update.finished)
         except DetokenizationError as exc:
             request.error = str(exc)
             _finish(request, RequestStatus.FINISHED_ERROR, None, stop)
             stop_str = None
         if stop_str is not None:
             _finish(request, RequestStatus.FINISHED_STOPPED, stop_str, stop)
-        completion.text = child.detokenizer.get_delta()
+        # the update's list is the scheduler's fresh one for this step: no copy needed
+        completion = CompletionOutput(child.index, detokenizer.get_delta(), update.new_token_ids)
+        if child.wants_logprobs:
+            completion.logprobs = list(update.new_logprobs or [])
         if request.is_finished:
             self._finish_child(request, completion)
         return completion
@@ -106,7 +106,7 @@ class OutputProcessor:
             if request.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = request.num_cached_tokens
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
-                                num_cached_tokens=parent.num_cached_tokens)
+                                False, parent.num_cached_tokens)
             by_parent[parent.request_id] = out
         out.outputs.append(completion)
         if request.error:

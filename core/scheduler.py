@@ -113,7 +113,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            wanted = self._num_new_tokens(request)
+            if request.num_output_placeholders:
+                wanted = self._num_new_tokens_in_flight(request)
+            else:
+                wanted = request.num_tokens - request.num_computed_tokens
             if wanted == 1:  # a decode: one token, one of the budget
                 n = cost = 1
             else:
@@ -171,10 +174,13 @@ class Scheduler:
             n -= 1
         return n, min(cost(n), budget)
 
-    def _num_new_tokens(self, request: Request) -> int:
+    @staticmethod
+    def _num_new_tokens_in_flight(request: Request) -> int:
+        """The tokens to run for a request with tokens still being sampled (async): those
+        count as known, unless the step in flight samples its last token."""
         pending = request.num_output_placeholders
-        if pending and request.num_output_tokens + pending >= request.max_output_tokens:
-            return 0  # the step in flight samples its last token
+        if request.num_output_tokens + pending >= request.max_output_tokens:
+            return 0
         return request.num_tokens + pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]):

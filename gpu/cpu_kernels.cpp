@@ -265,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
         "causal softmax(q.K) V of prefill chunks over the paged cache (float32)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, first NaN)");
+  m.def("decode_inputs", &decode_inputs, "a decode step's flattened inputs in one call");
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),
         "SiLU(gate) * up of a fused [..., 2n] gate_up projection");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 // cpu_kernels.cpp: RMSNorm of a contiguous x's rows, normalised in float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -63,6 +64,14 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 
 // cpu_argmax.cpp: each row's argmax of a float32 [rows, width], with torch's max(dim=-1) rules.
 torch::Tensor argmax_rows(torch::Tensor x);
+
+// cpu_inputs.cpp: a decode step's [input_ids, positions, slot_mapping, seq_lens (int32),
+// query_start_loc (int32), block_table (int32, num_block_columns wide)] for the requests at
+// `rows` of the persistent batch, each with one new token at `positions`.
+std::vector<torch::Tensor> decode_inputs(const std::vector<int64_t>& rows,
+                                         const std::vector<int64_t>& positions,
+                                         torch::Tensor token_ids, torch::Tensor block_table,
+                                         int64_t block_size, int64_t num_block_columns);
 
 // cpu_decoder.cpp: binds DecodeStack, a float32 Llama decode step in one call.
 void bind_decode_stack(py::module& m);

@@ -34,7 +34,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
                         "cpu_linear.cpp",
                         "cpu_mkl_linear.cpp", "cpu_activation.cpp", "cpu_argmax.cpp",
-                        "cpu_decoder.cpp")]
+                        "cpu_inputs.cpp", "cpu_decoder.cpp")]
 HEADERS = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.h", "cpu_paged.h", "cpu_parallel.h", "cpu_vec.h")]
 DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)

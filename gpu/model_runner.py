@@ -17,7 +17,7 @@ from core.outputs import TokenLogprobs
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
-from gpu.cpu_kernels import denormals_flushed
+from gpu.cpu_kernels import denormals_flushed, load_cpu_kernels
 from gpu.cuda_graphs import CudaGraphRunner
 from gpu.host_allocator import keep_freed_host_memory
 from gpu.input_batch import CachedRequestState, InputBatch
@@ -95,6 +95,10 @@ class ModelRunner:
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self._last_index: dict[str, int] = {}
         self._modes_thread: int | None = None  # the thread holding ``step_modes``
+        kernels = load_cpu_kernels() if self.device == "cpu" else None
+        self._decode_inputs = kernels.decode_inputs if kernels is not None else None
+        self._token_ids_cpu = torch.from_numpy(self.batch.token_ids)  # the same memory
+        self._block_table_cpu = torch.from_numpy(self.batch.block_table)
 
     @property
     def vocab_size(self) -> int:
@@ -227,7 +231,7 @@ class ModelRunner:
         prof = self.profiler
         self._update_states(sched)
         if sched.is_empty:
-            return StepHandle(self.batch, [], None)
+            return StepHandle(self.batch, [], [], None)
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
         if before_forward is not None:
@@ -239,7 +243,7 @@ class ModelRunner:
             hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_states:
             prof.lap("forward")
-            return StepHandle(self.batch, [], None)
+            return StepHandle(self.batch, [], [], None)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(hidden).float()
@@ -248,12 +252,14 @@ class ModelRunner:
                                        self.model_config.vocab_size, logits.device,
                                        in_flight=(self._last_sampled, self._last_index))
         sampled = self.sampler(logits, meta)
-        self._last_sampled = sampled.sampled_token_ids
-        self._last_index = {s.req_id: i for i, s in enumerate(inputs.sampling_states)}
+        req_ids = []
         for state in inputs.sampling_states:
             state.num_pending += 1
+            req_ids.append(state.req_id)
+        self._last_sampled = sampled.sampled_token_ids
+        self._last_index = dict(zip(req_ids, range(len(req_ids))))
         prof.lap("sample")
-        return StepHandle(self.batch, inputs.sampling_states, sampled)
+        return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.preempted_req_ids:
@@ -268,14 +274,15 @@ class ModelRunner:
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         batch_states = self.batch.states
         states = [batch_states[r] for r in sched.num_scheduled_tokens]
+        if self._decode_inputs is not None and sched.total_num_scheduled_tokens == len(states):
+            return self._prepare_decode(sched, states)
         rows, computed = np.array(
             [[s.row for s in states], [s.num_computed_tokens for s in states]],
             dtype=np.int64).reshape(2, len(states))
-        known = [s.num_tokens for s in states]  # before this step's tokens are counted
         layout = TokenLayout.of(sched, computed)
         cu, positions, seq_lens = layout.cu, layout.positions, layout.seq_lens
         seq_lens_cpu = seq_lens.tolist()
-        sampling = _advance(states, seq_lens_cpu)
+        sampling, in_flight = _advance(states, seq_lens_cpu)
         token_rows = layout.per_token(rows)
         input_ids = self.batch.token_ids[token_rows, positions]
         bs = self.block_size
@@ -286,8 +293,8 @@ class ModelRunner:
 
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
-        if any(n > k for n, k in zip(seq_lens_cpu, known)):
-            self._fill_in_flight(input_ids_dev, layout, states, known)
+        if in_flight:
+            self._fill_in_flight(input_ids_dev, layout, states)
         num_tokens = sched.total_num_scheduled_tokens
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -310,11 +317,40 @@ class ModelRunner:
             sampling_states=states if every_token_samples else [states[i] for i in sampling],
         )
 
+    def _prepare_decode(self, sched: SchedulerOutput,
+                        states: list[CachedRequestState]) -> StepInputs:
+        """``_prepare_inputs`` for a step of one token per request, its arrays built by the
+        CPU kernels' ``decode_inputs`` in one call."""
+        computed = [s.num_computed_tokens for s in states]
+        seq_lens_cpu = [c + 1 for c in computed]
+        sampling, in_flight = _advance(states, seq_lens_cpu)
+        max_seq = max(seq_lens_cpu)
+        assert self._decode_inputs is not None
+        input_ids, positions, slots, seq_lens, cu, block_table = self._decode_inputs(
+            [s.row for s in states], computed, self._token_ids_cpu, self._block_table_cpu,
+            self.block_size, -(-max_seq // self.block_size))
+        if in_flight:
+            layout = TokenLayout.of(sched, np.asarray(computed, dtype=np.int64))
+            self._fill_in_flight(input_ids, layout, states)
+        n = len(states)
+        meta = AttentionMetadata(
+            num_actual_tokens=n, query_start_loc=cu, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slots, max_query_len=1, max_seq_len=max_seq,
+            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=seq_lens_cpu)
+        every_request_samples = len(sampling) == n
+        return StepInputs(
+            input_ids=input_ids, positions=positions, meta=meta,
+            logits_indices=(None if every_request_samples  # request i's token is row i
+                            else torch.tensor(sampling, dtype=torch.long)),
+            sampling_states=states if every_request_samples else [states[i] for i in sampling],
+        )
+
     def _fill_in_flight(self, input_ids: torch.Tensor, layout: TokenLayout,
-                        states: list[CachedRequestState], known: list[int]) -> None:
+                        states: list[CachedRequestState]) -> None:
         """The input ids past the known tokens: sampled by the step in flight, they are still
         on the device."""
-        unknown = np.nonzero(layout.positions >= layout.per_token(np.asarray(known)))[0]
+        known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        unknown = np.nonzero(layout.positions >= layout.per_token(known))[0]
         src = [self._last_index[states[r].req_id] for r in layout.request_of(unknown)]
         to_dev = self._to_device
         input_ids[to_dev(unknown)] = self._last_sampled[to_dev(np.asarray(src, dtype=np.int64))]
@@ -333,9 +369,9 @@ class StepHandle:
     """A launched step's sampled tokens, copied to (pinned) host memory without blocking;
     ``result()`` waits on the copy's event, never on the whole device."""
 
-    def __init__(self, batch: InputBatch, states: list[CachedRequestState],
+    def __init__(self, batch: InputBatch, states: list[CachedRequestState], req_ids: list[str],
                  sampled: SamplerOutput | None) -> None:
-        self.batch, self.states, self.sampled = batch, states, sampled
+        self.batch, self.states, self.req_ids, self.sampled = batch, states, req_ids, sampled
         self._event = None
         if sampled is None:
             return
@@ -353,22 +389,26 @@ class StepHandle:
         token_ids = self._host_ids.tolist()
         self.batch.append_tokens(self.states, token_ids)
         return ModelRunnerOutput(
-            req_ids=[s.req_id for s in self.states],
+            req_ids=self.req_ids,
             sampled_token_ids=token_ids,
             logprobs=_logprobs_dicts(self.states, self.sampled),
         )
 
 
-def _advance(states: list[CachedRequestState], seq_lens: list[int]) -> list[int]:
+def _advance(states: list[CachedRequestState],
+             seq_lens: list[int]) -> tuple[list[int], bool]:
     """Count each request's scheduled tokens as computed (``seq_lens``: its length once the
-    step has run); returns the indices of those that sample, their known tokens all computed
-    (any tokens in flight included)."""
+    step has run). Returns the indices of those that sample, their known tokens all computed
+    (any tokens in flight included), and whether any input token is still in flight."""
     sampling = []
+    in_flight = False
     for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
         state.num_computed_tokens = seq_len
+        if seq_len > state.num_tokens:
+            in_flight = True
         if seq_len >= state.num_tokens + state.num_pending:
             sampling.append(i)
-    return sampling
+    return sampling, in_flight
 
 
 def _copy_to_pinned(sampled: SamplerOutput) -> SamplerOutput:

@@ -152,12 +152,32 @@ def test_row_argmax_takes_the_kernel_for_float32_rows_only(monkeypatch):
             calls.append(tuple(x.shape))
             return kernels.argmax_rows(x)
 
-    monkeypatch.setattr(sampler, "cpu_kernels_for", lambda x: Recording())
+    monkeypatch.setattr(sampler, "load_cpu_kernels", lambda: Recording())
     x = torch.randn(4, 100)
     assert torch.equal(row_argmax(x), x.max(dim=-1).indices) and calls == [(4, 100)]
     for other in (x.double(), x.t()):  # another dtype, rows that are not contiguous
         assert torch.equal(row_argmax(other), other.max(dim=-1).indices)
     assert calls == [(4, 100)]
+
+
+def test_decode_inputs_match_the_paged_layout():
+    """Each request's input id, position, slot (``block_table[row, p // bs] * bs + p % bs``),
+    length and block-table row, as the metadata's docstring lays them out."""
+    g = torch.Generator().manual_seed(3)
+    token_ids = torch.randint(0, 1000, (8, 64), generator=g)
+    block_table = torch.randint(0, 500, (8, 16), generator=g, dtype=torch.int32)
+    rows, positions, bs = [5, 0, 7, 2], [0, 15, 16, 63], 4
+    columns = -(-(max(positions) + 1) // bs)
+    ids, pos, slots, lens, starts, table = load_cpu_kernels().decode_inputs(
+        rows, positions, token_ids, block_table, bs, columns)
+    r, p = torch.tensor(rows), torch.tensor(positions)
+    assert torch.equal(ids, token_ids[r, p]) and torch.equal(pos, p)
+    assert torch.equal(slots, block_table[r, p // bs].long() * bs + p % bs)
+    assert lens.dtype == starts.dtype == table.dtype == torch.int32
+    assert lens.tolist() == [q + 1 for q in positions] and starts.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(table, block_table[r, :columns])
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        load_cpu_kernels().decode_inputs([8], [0], token_ids, block_table, bs, 1)
 
 
 def test_parallel_items_gives_a_held_up_threads_share_to_the_others():
