@@ -91,6 +91,21 @@ class IncrementalDetokenizer:
             self._release(pending[:keep], pending[keep:])
         return None
 
+    def update_and_get_delta(self, new_token_ids: Sequence[int],
+                             finished: bool) -> tuple[str | None, str]:
+        """``update``, then ``get_delta``: the stop string that matched (or None) and the text
+        that became final. The common step (no stop strings, one valid id, nothing unsent)
+        is decoded here in one call: it runs for every request of every step."""
+        if (self._stops is None and not finished and not self._done and not self._unsent
+                and len(new_token_ids) == 1 and 0 <= new_token_ids[0] < self._vocab_size):
+            self._num_tokens += 1
+            text = self._decoder.step(new_token_ids[0])
+            if text:
+                self._final.append(text)
+            return None, text
+        stop = self.update(new_token_ids, finished)
+        return stop, self.get_delta()
+
     def get_delta(self) -> str:
         """The text that became final since the previous call."""
         delta, self._unsent = self._unsent, ""

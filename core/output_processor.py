@@ -78,15 +78,16 @@ class OutputProcessor:
         request = update.request
         detokenizer = child.detokenizer
         try:
-            stop_str = detokenizer.update(update.new_token_ids, update.finished)
+            stop_str, text = detokenizer.update_and_get_delta(update.new_token_ids,
+                                                              update.finished)
         except DetokenizationError as exc:
             request.error = str(exc)
             _finish(request, RequestStatus.FINISHED_ERROR, None, stop)
-            stop_str = None
+            stop_str, text = None, detokenizer.get_delta()
         if stop_str is not None:
             _finish(request, RequestStatus.FINISHED_STOPPED, stop_str, stop)
         # the update's list is the scheduler's fresh one for this step: no copy needed
-        completion = CompletionOutput(child.index, detokenizer.get_delta(), update.new_token_ids)
+        completion = CompletionOutput(child.index, text, update.new_token_ids)
         if child.wants_logprobs:
             completion.logprobs = list(update.new_logprobs or [])
         if request.is_finished:

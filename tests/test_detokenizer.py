@@ -64,6 +64,20 @@ def test_deltas_equal_whole_decode_without_replacement_chars(tokenizer, kind, sk
             assert "" in deltas  # held back for a step
 
 
+@pytest.mark.parametrize("stop", [[], ["fox"]])
+@pytest.mark.parametrize("chunking", ["one", "uneven"])
+def test_the_one_call_step_streams_as_update_and_get_delta_do(tokenizer, stop, chunking):
+    """``update_and_get_delta`` (the output processor's call, with its inline common step)
+    gives the deltas and stop string of ``update`` then ``get_delta``."""
+    prompt = tokenizer.encode("Say: ")
+    for text in [*TEXTS, "the quick brown fox jumps"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        runs = [feed(IncrementalDetokenizer(tokenizer, prompt, SamplingParams(stop=stop)),
+                     split_ids(ids, chunking), separately=separately)
+                for separately in (False, True)]
+        assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("kind", ["stream", "offsets"])
 def test_unfinished_character_held_until_finish_then_flushed(tokenizer, kind):
     partial = tokenizer.convert_tokens_to_ids(list("ðŁĺ"))  # the first 3 bytes of 😀

@@ -58,13 +58,19 @@ def split_ids(ids: list[int], chunking: str, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def feed(detok: IncrementalDetokenizer, chunks: list[list[int]],
-         finish: bool = True) -> tuple[list[str], str | None]:
-    """Feed ``chunks`` as the output processor does; the deltas and the stop string."""
+def feed(detok: IncrementalDetokenizer, chunks: list[list[int]], finish: bool = True,
+         separately: bool = False) -> tuple[list[str], str | None]:
+    """Feed ``chunks`` as the output processor does (or by ``update`` and ``get_delta``
+    called separately); the deltas and the stop string."""
     deltas = []
     for i, chunk in enumerate(chunks):
-        stop = detok.update(chunk, finish and i == len(chunks) - 1)
-        deltas.append(detok.get_delta())
+        finished = finish and i == len(chunks) - 1
+        if separately:
+            stop = detok.update(chunk, finished)
+            deltas.append(detok.get_delta())
+        else:
+            stop, delta = detok.update_and_get_delta(chunk, finished)
+            deltas.append(delta)
         if stop is not None:
             return deltas, stop
     return deltas, None
