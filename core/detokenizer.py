@@ -61,17 +61,6 @@ class IncrementalDetokenizer:
         """
         if self._done:
             return None
-        if self._stops is None:  # no stop string to look for: the text is final as decoded
-            if len(new_token_ids) == 1 and 0 <= new_token_ids[0] < self._vocab_size:
-                self._num_tokens += 1  # nearly every step: one valid id
-                text = self._decoder.step(new_token_ids[0])
-            else:
-                text = self._decode(new_token_ids)[0]
-            if finished:
-                text += self._decoder.flush()
-                self._done = True
-            self._release(text, "")
-            return None
         text, stop_floor = self._decode(new_token_ids)
         if finished:
             text += self._decoder.flush()
@@ -83,7 +72,7 @@ class IncrementalDetokenizer:
             self._release((self._held + text)[:cut], "")
             self._done = True
             return stop
-        if finished or self._include_stop:
+        if finished or self._stops is None or self._include_stop:
             self._release(self._held + text, "")
         else:
             pending = self._held + text  # the matcher's tail is a suffix of it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -76,7 +77,7 @@ class Request:
             stops.add(self.eos_token_id)
         self.stop_token_set = frozenset(stops)  # ids that finish it once past min_tokens
         # the scheduler caps it by the model's context as well
-        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 2**62
+        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else sys.maxsize
 
     @property
     def is_finished(self) -> bool:
