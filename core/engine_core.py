@@ -24,7 +24,7 @@ from core.scheduler import Scheduler, SchedulerConfig
 from core.step_profiler import StepProfiler
 
 if TYPE_CHECKING:
-    from gpu.model_runner import StepHandle
+    from gpu.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 

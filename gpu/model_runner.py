@@ -7,13 +7,11 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
 from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from core.outputs import TokenLogprobs
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
@@ -23,52 +21,12 @@ from gpu.host_allocator import keep_freed_host_memory
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype
-from gpu.sampler import Sampler, SamplerOutput
+from gpu.sampler import Sampler
 from gpu.sampling_metadata import build_sampling_metadata
+from gpu.step_handle import StepHandle
+from gpu.step_inputs import StepInputs, TokenLayout, advance
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor | None  # the rows to sample from; None: every row, in order
-    sampling_states: list[CachedRequestState]
-
-
-@dataclass
-class TokenLayout:
-    """Where a step's tokens sit: request ``i`` owns tokens ``cu[i]:cu[i + 1]`` of the
-    flattened batch, at sequence positions ``positions``."""
-
-    cu: np.ndarray  # [R + 1]
-    positions: np.ndarray  # [T]
-    seq_lens: np.ndarray  # [R]: each request's length once this step has run
-    max_query_len: int
-    req_of_token: np.ndarray | None  # [T]: each token's request; None: token i is request i's
-
-    @classmethod
-    def of(cls, sched: SchedulerOutput, computed: np.ndarray) -> TokenLayout:
-        """The layout of ``sched``'s tokens after each request's ``computed`` ones."""
-        n = len(computed)
-        if sched.total_num_scheduled_tokens == n:  # decodes only: one token each, in order
-            return cls(np.arange(n + 1), computed, computed + 1, 1, None)
-        num_new = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=n)
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
-        req_of_token = np.repeat(np.arange(n), num_new)
-        positions = computed[req_of_token] + np.arange(cu[-1]) - cu[req_of_token]
-        return cls(cu, positions, computed + num_new, int(num_new.max()), req_of_token)
-
-    def per_token(self, per_request: np.ndarray) -> np.ndarray:
-        """A per-request array spread over the tokens."""
-        return per_request if self.req_of_token is None else per_request[self.req_of_token]
-
-    def request_of(self, tokens: np.ndarray) -> np.ndarray:
-        """The requests of the tokens at these indices."""
-        return tokens if self.req_of_token is None else self.req_of_token[tokens]
 
 
 class ModelRunner:
@@ -282,7 +240,7 @@ class ModelRunner:
         layout = TokenLayout.of(sched, computed)
         cu, positions, seq_lens = layout.cu, layout.positions, layout.seq_lens
         seq_lens_cpu = seq_lens.tolist()
-        sampling, in_flight = _advance(states, seq_lens_cpu)
+        sampling, in_flight = advance(states, seq_lens_cpu)
         token_rows = layout.per_token(rows)
         input_ids = self.batch.token_ids[token_rows, positions]
         bs = self.block_size
@@ -323,7 +281,7 @@ class ModelRunner:
         CPU kernels' ``decode_inputs`` in one call."""
         computed = [s.num_computed_tokens for s in states]
         seq_lens_cpu = [c + 1 for c in computed]
-        sampling, in_flight = _advance(states, seq_lens_cpu)
+        sampling, in_flight = advance(states, seq_lens_cpu)
         max_seq = max(seq_lens_cpu)
         assert self._decode_inputs is not None
         input_ids, positions, slots, seq_lens, cu, block_table = self._decode_inputs(
@@ -363,73 +321,3 @@ class ModelRunner:
         if self.device == "cpu":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
-
-
-class StepHandle:
-    """A launched step's sampled tokens, copied to (pinned) host memory without blocking;
-    ``result()`` waits on the copy's event, never on the whole device."""
-
-    def __init__(self, batch: InputBatch, states: list[CachedRequestState], req_ids: list[str],
-                 sampled: SamplerOutput | None) -> None:
-        self.batch, self.states, self.req_ids, self.sampled = batch, states, req_ids, sampled
-        self._event = None
-        if sampled is None:
-            return
-        if sampled.sampled_token_ids.is_cuda:  # every tensor of it, so reading none syncs
-            self.sampled = sampled = _copy_to_pinned(sampled)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        self._host_ids = sampled.sampled_token_ids
-
-    def result(self) -> ModelRunnerOutput:
-        if self.sampled is None:
-            return ModelRunnerOutput.empty()
-        if self._event is not None:
-            self._event.synchronize()
-        token_ids = self._host_ids.tolist()
-        self.batch.append_tokens(self.states, token_ids)
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            sampled_token_ids=token_ids,
-            logprobs=_logprobs_dicts(self.states, self.sampled),
-        )
-
-
-def _advance(states: list[CachedRequestState],
-             seq_lens: list[int]) -> tuple[list[int], bool]:
-    """Count each request's scheduled tokens as computed (``seq_lens``: its length once the
-    step has run). Returns the indices of those that sample, their known tokens all computed
-    (any tokens in flight included), and whether any input token is still in flight."""
-    sampling = []
-    in_flight = False
-    for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
-        state.num_computed_tokens = seq_len
-        if seq_len > state.num_tokens:
-            in_flight = True
-        if seq_len >= state.num_tokens + state.num_pending:
-            sampling.append(i)
-    return sampling, in_flight
-
-
-def _copy_to_pinned(sampled: SamplerOutput) -> SamplerOutput:
-    """The sampler's device tensors, copied to pinned host memory without blocking."""
-    host = {}
-    for f in fields(sampled):
-        value = getattr(sampled, f.name)
-        if isinstance(value, torch.Tensor):
-            host[f.name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host[f.name].copy_(value, non_blocking=True)
-    return replace(sampled, **host)
-
-
-def _logprobs_dicts(states: list[CachedRequestState],
-                    sampled: SamplerOutput) -> list[TokenLogprobs] | None:
-    if sampled.logprobs is None or sampled.logprob_token_ids is None:
-        return None
-    ids = sampled.logprob_token_ids.tolist()
-    values = sampled.logprobs.tolist()
-    out: list[TokenLogprobs] = []
-    for state, row_ids, row_values in zip(states, ids, values):
-        n = state.params.logprobs
-        out.append({} if n is None else dict(zip(row_ids[: n + 1], row_values[: n + 1])))
-    return out

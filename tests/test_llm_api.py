@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from core import LLM, RequestOutput, SamplingParams
 from gpu.random_model import build_model_dir
@@ -89,8 +90,6 @@ def test_offline_cpu_budget_defaults_larger_than_the_servers(llm):
 def test_generate_leaves_the_callers_thread_modes_as_they_were(llm):
     """The step modes (inference mode, flushed denormals) are held for a whole run of steps,
     then given back."""
-    import torch
-
     assert not torch.is_inference_mode_enabled()
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert not torch.is_inference_mode_enabled()

@@ -8,8 +8,8 @@ import torch
 
 from core import LLM, SamplingParams
 from core.scheduler_output import SchedulerOutput
-from gpu.model_runner import StepInputs, TokenLayout
 from gpu.random_model import build_model_dir
+from gpu.step_inputs import StepInputs, TokenLayout
 
 
 def _sched(num_scheduled: dict[str, int]) -> SchedulerOutput:

@@ -1,0 +1,66 @@
+"""A launched step's sampled tokens, brought to the host when the engine asks for them."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import torch
+
+from core.outputs import TokenLogprobs
+from core.scheduler_output import ModelRunnerOutput
+from gpu.input_batch import CachedRequestState, InputBatch
+from gpu.sampler import SamplerOutput
+
+
+class StepHandle:
+    """A launched step's sampled tokens, copied to (pinned) host memory without blocking;
+    ``result()`` waits on the copy's event, never on the whole device."""
+
+    def __init__(self, batch: InputBatch, states: list[CachedRequestState], req_ids: list[str],
+                 sampled: SamplerOutput | None) -> None:
+        self.batch, self.states, self.req_ids, self.sampled = batch, states, req_ids, sampled
+        self._event = None
+        if sampled is None:
+            return
+        if sampled.sampled_token_ids.is_cuda:  # every tensor of it, so reading none syncs
+            self.sampled = sampled = _copy_to_pinned(sampled)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host_ids = sampled.sampled_token_ids
+
+    def result(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput.empty()
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host_ids.tolist()
+        self.batch.append_tokens(self.states, token_ids)
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=token_ids,
+            logprobs=_logprobs_dicts(self.states, self.sampled),
+        )
+
+
+def _copy_to_pinned(sampled: SamplerOutput) -> SamplerOutput:
+    """The sampler's device tensors, copied to pinned host memory without blocking."""
+    host = {}
+    for f in fields(sampled):
+        value = getattr(sampled, f.name)
+        if isinstance(value, torch.Tensor):
+            host[f.name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host[f.name].copy_(value, non_blocking=True)
+    return replace(sampled, **host)
+
+
+def _logprobs_dicts(states: list[CachedRequestState],
+                    sampled: SamplerOutput) -> list[TokenLogprobs] | None:
+    if sampled.logprobs is None or sampled.logprob_token_ids is None:
+        return None
+    ids = sampled.logprob_token_ids.tolist()
+    values = sampled.logprobs.tolist()
+    out: list[TokenLogprobs] = []
+    for state, row_ids, row_values in zip(states, ids, values):
+        n = state.params.logprobs
+        out.append({} if n is None else dict(zip(row_ids[: n + 1], row_values[: n + 1])))
+    return out

@@ -1,0 +1,70 @@
+"""A step's model inputs, and where its tokens sit in the flattened batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.scheduler_output import SchedulerOutput
+from gpu.attention import AttentionMetadata
+from gpu.input_batch import CachedRequestState
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor | None  # the rows to sample from; None: every row, in order
+    sampling_states: list[CachedRequestState]
+
+
+@dataclass
+class TokenLayout:
+    """Where a step's tokens sit: request ``i`` owns tokens ``cu[i]:cu[i + 1]`` of the
+    flattened batch, at sequence positions ``positions``."""
+
+    cu: np.ndarray  # [R + 1]
+    positions: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [R]: each request's length once this step has run
+    max_query_len: int
+    req_of_token: np.ndarray | None  # [T]: each token's request; None: token i is request i's
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, computed: np.ndarray) -> TokenLayout:
+        """The layout of ``sched``'s tokens after each request's ``computed`` ones."""
+        n = len(computed)
+        if sched.total_num_scheduled_tokens == n:  # decodes only: one token each, in order
+            return cls(np.arange(n + 1), computed, computed + 1, 1, None)
+        num_new = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        positions = computed[req_of_token] + np.arange(cu[-1]) - cu[req_of_token]
+        return cls(cu, positions, computed + num_new, int(num_new.max()), req_of_token)
+
+    def per_token(self, per_request: np.ndarray) -> np.ndarray:
+        """A per-request array spread over the tokens."""
+        return per_request if self.req_of_token is None else per_request[self.req_of_token]
+
+    def request_of(self, tokens: np.ndarray) -> np.ndarray:
+        """The requests of the tokens at these indices."""
+        return tokens if self.req_of_token is None else self.req_of_token[tokens]
+
+
+def advance(states: list[CachedRequestState],
+             seq_lens: list[int]) -> tuple[list[int], bool]:
+    """Count each request's scheduled tokens as computed (``seq_lens``: its length once the
+    step has run). Returns the indices of those that sample, their known tokens all computed
+    (any tokens in flight included), and whether any input token is still in flight."""
+    sampling = []
+    in_flight = False
+    for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
+        state.num_computed_tokens = seq_len
+        if seq_len > state.num_tokens:
+            in_flight = True
+        if seq_len >= state.num_tokens + state.num_pending:
+            sampling.append(i)
+    return sampling, in_flight
