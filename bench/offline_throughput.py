@@ -1,11 +1,13 @@
 """Offline throughput: the same prompts through ``LLM.generate`` and through HF ``generate``.
 
 HF runs padded static batches (left padding); both produce exactly ``--output-len`` tokens per
-prompt (EOS ignored), in the same ``--dtype`` on the same ``--device``. Each side runs in a
-fresh process of its own, so neither inherits the other's allocator state, thread pools or warm
-caches. Prints and writes ``bench/results/offline_throughput.json`` (the name gains
-``-<device>``, ``-<model dir name>``, ``-<shape>`` and ``-<dtype>`` where those are not the
-defaults).
+prompt (EOS ignored), in the same ``--dtype`` on the same ``--device``, and both give token ids
+only: HF ``generate`` makes no text, so tidal runs with ``detokenize=False`` unless
+``--detokenize`` asks for its text too (vLLM's throughput benchmark has the same switch). Each
+side runs in a fresh process of its own, so neither inherits the other's allocator state,
+thread pools or warm caches. Prints and writes ``bench/results/offline_throughput.json`` (the
+name gains ``-<device>``, ``-<model dir name>``, ``-<shape>`` and ``-<dtype>`` where those are
+not the defaults).
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
     python -m bench.offline_throughput --model core/default_model --min-len 32 --max-len 120 \
@@ -36,10 +38,11 @@ PROMPT_VOCAB = 8000  # prompt ids are drawn below this, or below a smaller model
 
 def run_ours(model: str, prompts: list[list[int]], warm: list[list[int]], output_len: int,
              max_num_seqs: int, max_num_batched_tokens: int | None, dtype: str,
-             device: str) -> dict:
+             device: str, detokenize: bool) -> dict:
     llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            detokenize=detokenize)
     llm.generate(warm, params, use_tqdm=False)  # other prompts: no prefix-cache hits later
     llm.engine.profiler.reset()
     start = time.perf_counter()
@@ -111,6 +114,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and activations on both sides")
     ap.add_argument("--device", default="cpu", help="cpu or cuda, for both sides")
+    ap.add_argument("--detokenize", action="store_true",
+                    help="tidal also makes the output text (HF generate makes none)")
     ap.add_argument("--shape", choices=list(SHAPES),
                     help="a random-weight model in this real model's shape (bfloat16 weights)")
     args = ap.parse_args()
@@ -120,7 +125,8 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=vocab)
     warm = random_prompts(4, args.min_len, args.max_len, vocab=vocab, seed=1)
     ours = in_fresh_process(run_ours, model, prompts, warm, args.output_len, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.dtype, args.device)
+                            args.max_num_batched_tokens, args.dtype, args.device,
+                            args.detokenize)
     print(f"tidal: {ours['output_tok_per_s']:.1f} output tok/s, "
           f"overhead {100 * ours['overhead_share']:.1f}% of step time")
     hf = in_fresh_process(run_hf, model, prompts, warm, args.output_len, args.hf_batch_size,

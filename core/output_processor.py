@@ -32,7 +32,7 @@ class ParentRequest:
 class ChildState:
     parent: ParentRequest
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: ids only (``detokenize=False``)
     wants_logprobs: bool
 
 
@@ -45,8 +45,9 @@ class OutputProcessor:
     def add(self, parent: ParentRequest, children: list[Request]) -> None:
         self.parents[parent.request_id] = parent
         for child in children:
-            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
-                                           child.sampling_params)
+            params = child.sampling_params
+            detok = (IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params)
+                     if params.detokenize else None)
             self.children[child.request_id] = ChildState(
                 parent, parent.children[child.request_id], detok,
                 child.sampling_params.logprobs is not None)
@@ -76,14 +77,7 @@ class OutputProcessor:
     def _completion(self, update: RequestUpdate, child: ChildState,
                     stop: StopFn) -> CompletionOutput:
         request = update.request
-        detokenizer = child.detokenizer
-        try:
-            stop_str, text = detokenizer.update_and_get_delta(update.new_token_ids,
-                                                              update.finished)
-        except DetokenizationError as exc:
-            request.error = str(exc)
-            _finish(request, RequestStatus.FINISHED_ERROR, None, stop)
-            stop_str, text = None, detokenizer.get_delta()
+        stop_str, text = self._text(update, child.detokenizer, stop)
         if stop_str is not None:
             _finish(request, RequestStatus.FINISHED_STOPPED, stop_str, stop)
         # the update's list is the scheduler's fresh one for this step: no copy needed
@@ -93,6 +87,19 @@ class OutputProcessor:
         if request.is_finished:
             self._finish_child(request, completion)
         return completion
+
+    @staticmethod
+    def _text(update: RequestUpdate, detokenizer: IncrementalDetokenizer | None,
+              stop: StopFn) -> tuple[str | None, str]:
+        """The stop string the new tokens completed (or None) and their final text."""
+        if detokenizer is None:
+            return None, ""
+        try:
+            return detokenizer.update_and_get_delta(update.new_token_ids, update.finished)
+        except DetokenizationError as exc:
+            update.request.error = str(exc)
+            _finish(update.request, RequestStatus.FINISHED_ERROR, None, stop)
+            return None, detokenizer.get_delta()
 
     def _finish_child(self, request: Request, completion: CompletionOutput) -> None:
         completion.finish_reason = request.finish_reason

@@ -32,6 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token; 0 = only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: token ids only, no text (offline use that wants ids, as HF ``generate`` gives)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +66,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the output text, which "
+                             "detokenize=False does not make")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")

@@ -38,6 +38,19 @@ def test_outputs_come_back_in_input_order_for_strings_and_token_ids(llm):
     assert alone.outputs[0].token_ids == outputs[3].outputs[0].token_ids
 
 
+def test_detokenize_false_gives_the_same_ids_without_text(llm):
+    prompts = ["The quick brown fox", [5, 6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    with_text = llm.generate(prompts, params, use_tqdm=False)
+    ids_only = llm.generate(prompts, params.clone(detokenize=False), use_tqdm=False)
+    for a, b in zip(with_text, ids_only):
+        assert a.outputs[0].text and b.outputs[0].text == ""
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].logprobs == a.outputs[0].logprobs
+        assert b.outputs[0].finish_reason == "length" and b.prompt == a.prompt
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_n_gives_independent_choices_and_one_params_per_prompt(llm):
     out = llm.generate([[9, 10, 11]], SamplingParams(n=3, max_tokens=5, seed=1,
                                                      ignore_eos=True), use_tqdm=False)[0]

@@ -25,3 +25,5 @@ def test_stop_string_is_listified_and_min_tokens_bounded():
         SamplingParams(min_tokens=5, max_tokens=4)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 200.0})
+    with pytest.raises(ValueError, match="^stop strings .* detokenize=False"):
+        SamplingParams(stop=["\n"], detokenize=False)
