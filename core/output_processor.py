@@ -50,7 +50,7 @@ class OutputProcessor:
                      if params.detokenize else None)
             self.children[child.request_id] = ChildState(
                 parent, parent.children[child.request_id], detok,
-                child.sampling_params.logprobs is not None)
+                params.logprobs is not None)
 
     def child_ids(self, parent_id: str) -> list[str]:
         parent = self.parents.get(parent_id)
