@@ -7,7 +7,9 @@ only: HF ``generate`` makes no text, so tidal runs with ``detokenize=False`` unl
 side runs in a fresh process of its own, so neither inherits the other's allocator state,
 thread pools or warm caches. Prints and writes ``bench/results/offline_throughput.json`` (the
 name gains ``-<device>``, ``-<model dir name>``, ``-<shape>`` and ``-<dtype>`` where those are
-not the defaults).
+not the defaults; ``--name`` sets it). With them goes the work's floor on this host
+(``bench/offline_floor.py``): its matmul FLOPs and KV-cache reads at the rates torch's own
+matmul and sum reach here, and so the most any engine could gain on HF's time.
 
     python -m bench.offline_throughput            # 256 prompts of 64-256 tokens, 128 out
     python -m bench.offline_throughput --model core/default_model --min-len 32 --max-len 120 \
@@ -25,14 +27,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import bench_model_dir, random_prompts, write_result
 from bench.model_shapes import SHAPES, build_shaped_model_dir
+from bench.offline_floor import HostRates, OfflineWork, floor_report
 from core import LLM, SamplingParams
+from gpu.model_config import ModelConfig
 
+T = TypeVar("T")
 PROMPT_VOCAB = 8000  # prompt ids are drawn below this, or below a smaller model's vocabulary
 
 
@@ -83,7 +89,7 @@ def run_hf(model: str, prompts: list[list[int]], warm: list[list[int]], output_l
             "batch_size": batch_size}
 
 
-def in_fresh_process(fn: Callable[..., dict], *args: object) -> dict:
+def in_fresh_process(fn: Callable[..., T], *args: object) -> T:
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(fn, *args).result()
@@ -94,6 +100,16 @@ def _model_dir(shape: str | None) -> str:
     if shape is None:
         return str(bench_model_dir(root + "/tidal-bench-llama"))
     return str(build_shaped_model_dir(f"{root}/tidal-shapes/{shape}", shape))
+
+
+def _floor(model: str, prompts: list[list[int]], args: argparse.Namespace, ours: dict,
+           hf: dict) -> dict:
+    """The run's work at the rates torch reaches on this host (``bench/offline_floor.py``)."""
+    dtype_size = getattr(torch, args.dtype).itemsize
+    work = OfflineWork.of(ModelConfig.from_dir(model), [len(p) for p in prompts],
+                          args.output_len, dtype_size)
+    rates = in_fresh_process(HostRates.measure, args.device, args.dtype)
+    return floor_report(work, rates, ours["seconds"], hf["seconds"])
 
 
 def main() -> None:
@@ -118,6 +134,8 @@ def main() -> None:
                     help="tidal also makes the output text (HF generate makes none)")
     ap.add_argument("--shape", choices=list(SHAPES),
                     help="a random-weight model in this real model's shape (bfloat16 weights)")
+    ap.add_argument("--name", help="results file name (default: offline_throughput and the "
+                    "device, model, shape and dtype where those are not the defaults)")
     args = ap.parse_args()
 
     model = args.model or _model_dir(args.shape)
@@ -134,13 +152,19 @@ def main() -> None:
     print(f"HF generate: {hf['output_tok_per_s']:.1f} output tok/s")
     ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
     print(f"ratio tidal / HF: {ratio:.2f}x")
+    floor = _floor(model, prompts, args, ours, hf)
+    print(f"the work: {floor['matmul_tflop']:.2f} TFLOP of matmuls and {floor['kv_read_gb']:.0f}"
+          f" GB of KV reads, {floor['floor_seconds']:.1f} s at torch's "
+          f"{floor['torch_matmul_gflop_per_s']:.0f} GFLOP/s and "
+          f"{floor['torch_read_gb_per_s']:.1f} GB/s here: at most "
+          f"{floor['ratio_ceiling']:.2f}x HF (tidal took {floor['tidal_over_floor']:.2f}x that)")
     parts = [args.device.split(":")[0] if args.device != "cpu" else None,
              Path(args.model).name if args.model else None, args.shape,
              None if args.dtype == "float32" else args.dtype]
-    name = "-".join(["offline_throughput", *filter(None, parts)])
+    name = args.name or "-".join(["offline_throughput", *filter(None, parts)])
     path = write_result(name, {
         "workload": vars(args) | {"model": model}, "tidal": ours, "hf_generate": hf,
-        "ratio_output_tok_per_s": ratio})
+        "ratio_output_tok_per_s": ratio, "floor": floor})
     print(f"wrote {path}")
 
 

@@ -71,13 +71,19 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
+    def layer_linear_macs(self) -> int:
+        """Multiply-adds of one token through one layer's linears: the q, k, v and output
+        projections and the gated MLP's three matrices."""
+        hidden, q = self.hidden_size, self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return hidden * (2 * q + 2 * kv) + 3 * hidden * self.intermediate_size
+
     def attention_cost_context(self) -> int:
         """The context length at which a token's attention over its cached positions takes as
         many FLOPs as its pass through the linear layers (per layer: the projections and the
         gated MLP against q.k and the weighted sum of v, 2 FLOPs a multiply-add each)."""
-        hidden, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads
-        linear = hidden * (2 * q + 2 * kv * self.head_dim) + 3 * hidden * self.intermediate_size
-        return max(1, round(2 * linear / (4 * q)))
+        q = self.num_heads * self.head_dim
+        return max(1, round(2 * self.layer_linear_macs() / (4 * q)))
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
