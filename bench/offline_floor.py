@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import time_ms
+from bench.common import best_ms
 from bench.decode_timing import sync
 from gpu.model_config import ModelConfig
 
@@ -27,13 +27,14 @@ READ_BYTES = {"cpu": 512 << 20, "cuda": 2 << 30}  # far past the CPU's caches / 
 
 @dataclass
 class HostRates:
-    """The rates a large matmul and a streaming read reach here, in the run's dtype."""
+    """The rates a large matmul and a streaming read reach here, in the run's dtype: the best
+    of several calls each, as another tenant of the host can slow any one of them."""
 
     matmul_flop_per_s: float
     read_bytes_per_s: float
 
     @classmethod
-    def measure(cls, device: str, dtype: str, repeats: int = 5) -> HostRates:
+    def measure(cls, device: str, dtype: str, repeats: int = 10) -> HostRates:
         torch_dtype = getattr(torch, dtype)
         a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(torch_dtype)
         b = torch.randn_like(a)
@@ -48,7 +49,7 @@ class HostRates:
             data.sum()
             sync(device)
 
-        matmul_ms, read_ms = time_ms(matmul, repeats), time_ms(read, repeats)
+        matmul_ms, read_ms = best_ms(matmul, repeats), best_ms(read, repeats)
         return cls(matmul_flop_per_s=2 * MATMUL_SIZE ** 3 / (matmul_ms / 1000),
                    read_bytes_per_s=data.nbytes / (read_ms / 1000))
 
