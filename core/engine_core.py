@@ -101,7 +101,7 @@ class EngineCore:
         if params.max_tokens is None:
             changes["max_tokens"] = max(1, self.max_model_len - len(prompt_token_ids))
         if params.seed is not None:
-            changes["seed"] = params.seed + index
+            changes["seed"] = params.choice_seed(index)
         extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:
             changes["stop_token_ids"] = params.stop_token_ids + extra_eos

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# A seed is what torch's generators take: any 64-bit pattern, signed or not.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
@@ -42,6 +47,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _flush_subnormal(getattr(self, name)))
+        if self.logit_bias:
+            self.logit_bias = {t: _flush_subnormal(b) for t, b in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -61,7 +70,7 @@ class SamplingParams:
                 f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=None)
+            _check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -80,9 +89,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index`` of ``n``: ``seed + index``, wrapped into 64 bits (a
+        generator seeded with -1 and one seeded with 2**64 - 1 draw the same)."""
+        return None if self.seed is None else (self.seed + index) % 2 ** 64
+
     def clone(self, **changes: object) -> SamplingParams:
         values = {**self.__dict__, **changes}
         return SamplingParams(**values)
+
+
+def _flush_subnormal(value: object) -> object:
+    """A subnormal float as 0.0. The engine thread runs with denormals flushed to zero, where a
+    subnormal compares as 0: read as 0 here too, a value valid on one thread is valid on both."""
+    if isinstance(value, float) and value != 0.0 and abs(value) < sys.float_info.min:
+        return 0.0
+    return value
 
 
 def _check_int(name: str, value: object, lo: int | None, hi: int | None = None,

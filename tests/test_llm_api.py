@@ -65,6 +65,15 @@ def test_n_gives_independent_choices_and_one_params_per_prompt(llm):
         llm.generate([[5], [6], [7]], per_prompt, use_tqdm=False)
 
 
+def test_seeds_at_the_top_of_64_bits_wrap_for_later_choices(llm):
+    """Choices 1 and 2 of seed 2**64 - 1 draw from seeds 0 and 1, as torch has no larger."""
+    params = SamplingParams(n=3, max_tokens=5, seed=2**64 - 1, ignore_eos=True)
+    top = llm.generate([[9, 10, 11]], params, use_tqdm=False)[0].outputs
+    low = llm.generate([[9, 10, 11]], params.clone(seed=0, n=2), use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in top[1:]] == [c.token_ids for c in low]
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "Hello there"}]

@@ -1,4 +1,7 @@
+import threading
+
 import pytest
+import torch
 
 from core import SamplingParams
 
@@ -12,7 +15,8 @@ def test_defaults_are_valid():
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 2.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
-    ("seed", 1.5), ("n", True),
+    ("seed", 1.5), ("n", True), ("seed", 2**64), ("seed", -(2**63) - 1), ("top_p", 1e-310),
+    ("repetition_penalty", 5e-324),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -27,3 +31,30 @@ def test_stop_string_is_listified_and_min_tokens_bounded():
         SamplingParams(logit_bias={3: 200.0})
     with pytest.raises(ValueError, match="^stop strings .* detokenize=False"):
         SamplingParams(stop=["\n"], detokenize=False)
+
+
+def test_a_choice_seed_wraps_into_64_bits():
+    params = SamplingParams(seed=2**64 - 2, n=4)
+    assert [params.choice_seed(i) for i in range(4)] == [2**64 - 2, 2**64 - 1, 0, 1]
+    assert SamplingParams(seed=-1).choice_seed(0) == 2**64 - 1
+    assert SamplingParams().choice_seed(3) is None
+
+
+def test_params_valid_here_stay_valid_where_denormals_are_flushed():
+    """The engine thread flushes denormals and re-validates (``clone``): a subnormal is read
+    as 0 on both sides, so no request passes here only to fail there."""
+    params = SamplingParams(temperature=1e-310, min_p=1e-310, logit_bias={3: 1e-310})
+    assert params.temperature == 0.0 and params.min_p == 0.0 and params.logit_bias == {3: 0.0}
+    results = []
+
+    def engine_side():
+        torch.set_flush_denormal(True)
+        try:
+            results.append(params.clone())
+        finally:
+            torch.set_flush_denormal(False)
+
+    thread = threading.Thread(target=engine_side)
+    thread.start()
+    thread.join()
+    assert results == [params]
