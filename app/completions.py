@@ -48,7 +48,9 @@ class _Run:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [generate(self.state, self._engine_id(i), p.token_ids, self.prep.params,
                             p.text) for i, p in enumerate(self.prep.prompts)]
-        async for index, out in merge_streams(streams):
+        # a batch's worth of choices at a time (``n`` per prompt)
+        in_flight = self.state.max_num_seqs // self.prep.params.n
+        async for index, out in merge_streams(streams, in_flight):
             self.trackers[index].observe(out)
             self.cached[index] = out.num_cached_tokens
             self.generated += sum(len(c.token_ids) for c in out.outputs)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Stop strings are matched in every new piece of text, on the engine's thread: a request's
+# share of that work stays small beside everyone else's step.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -107,6 +111,10 @@ class _SamplingFields(_Model):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise ValueError("must be a non-empty string or a list of non-empty strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if max(len(s) for s in value) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
 
@@ -383,6 +391,11 @@ def _fit_context(state: ServerState, num_prompt: int, params: SamplingParams,
             "leaving no room to generate", prompt_param, code="context_length_exceeded")
     room = limit - num_prompt
     if params.max_tokens is None:
+        if params.min_tokens > room:
+            raise bad_request(
+                f"min_tokens is {params.min_tokens} but the prompt has {num_prompt} tokens and "
+                f"the context is {limit} tokens, so at most {room} tokens can be generated",
+                "min_tokens", code="context_length_exceeded")
         return params.clone(max_tokens=room)
     if params.max_tokens > room:
         raise bad_request(

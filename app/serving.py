@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -94,13 +95,15 @@ async def generate(state: ServerState, request_id: str, prompt_token_ids: list[i
         raise ApiError(400, str(exc), "prompt") from None
 
 
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]], max_in_flight: int
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several prompts' delta streams as ``(prompt_index, delta)``.
 
     Each stream is pumped by a task through a small bounded queue, so a slow consumer leaves
-    deltas merging in the engine's collectors. Leaving early cancels every pump, which aborts
-    every request."""
+    deltas merging in the engine's collectors. At most ``max_in_flight`` streams run at once,
+    the next starting as one ends: a request of many prompts then queues in the engine a batch
+    at a time, and a request arriving after it waits for one batch, not for all of them.
+    Leaving early cancels every pump, which aborts every request."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
@@ -115,15 +118,19 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put((index, None, exc))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    waiting = iter(enumerate(streams))
+    tasks = [asyncio.create_task(pump(i, s))
+             for i, s in itertools.islice(waiting, max(1, max_in_flight))]
     try:
-        remaining = len(tasks)
+        remaining = len(streams)
         while remaining:
             index, out, exc = await queue.get()
             if exc is not None:
                 raise exc
             if out is None:
                 remaining -= 1
+                tasks.extend(asyncio.create_task(pump(i, s))
+                             for i, s in itertools.islice(waiting, 1))
                 continue
             yield index, out
     finally:

@@ -38,6 +38,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int  # tokens the whole KV cache holds: one sequence can use no more
+    max_num_seqs: int  # sequences in one batch: how many one request may have in the engine
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -54,7 +55,8 @@ class ServerState:
             metrics=metrics or ServerMetrics(),
             chat_template=ChatTemplate.for_tokenizer(engine.tokenizer),
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
-            kv_capacity_tokens=stats.num_total_blocks * core.config.block_size)
+            kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
+            max_num_seqs=core.config.max_num_seqs)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it (cached: the vocabulary is fixed)."""

@@ -139,7 +139,9 @@ class ChatSocket:
             return
         turn = Turn(id=f"chatcmpl-{uuid.uuid4().hex}")
         try:
-            prepared = prepare_chat_request(body, self.state, require_model=False)
+            # a turn always streams, so stream_options apply whatever "stream" says
+            prepared = prepare_chat_request(body | {"stream": True}, self.state,
+                                            require_model=False)
         except ApiError as exc:
             await self.send_error(exc, turn.id)
             return

@@ -17,6 +17,7 @@ from app.cli import build_parser, parse_bytes
 from app.metrics import ServerMetrics
 from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
 from app.server import build_app
+from app.serving import merge_streams
 from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
 from app.state import ServerSettings, ServerState
 from core.async_engine import AsyncEngine
@@ -53,7 +54,8 @@ def state(tokenizer: Any) -> ServerState:
     return ServerState(engine=_NoEngine(), tokenizer=tokenizer,  # type: ignore[arg-type]
                        settings=ServerSettings(served_model_name="tiny"),
                        metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
-                       max_model_len=64, vocab_size=len(tokenizer), kv_capacity_tokens=48)
+                       max_model_len=64, vocab_size=len(tokenizer), kv_capacity_tokens=48,
+                       max_num_seqs=8)
 
 
 # -- SSE framing ------------------------------------------------------------------------------
@@ -162,6 +164,14 @@ async def test_race_disconnect_returns_the_result_when_work_wins() -> None:
     ({"model": "tiny", "messages": CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"model": "tiny", "messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
     ({"model": "tiny", "messages": CHAT, "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    # no max_tokens: more than the room the context leaves
+    ({"model": "tiny", "messages": CHAT, "min_tokens": 250}, "min_tokens"),
+    ({"model": "tiny", "messages": CHAT, "stop": ["x"] * 33}, "stop"),
+    ({"model": "tiny", "messages": CHAT, "stop": "x" * 1025}, "stop"),
+    # subnormals: read as 0 here as on the engine thread, which flushes them
+    ({"model": "tiny", "messages": CHAT, "top_p": 1e-310}, "top_p"),
+    ({"model": "tiny", "messages": CHAT, "repetition_penalty": 1e-310}, "repetition_penalty"),
+    ({"model": "tiny", "messages": CHAT, "seed": 2**64}, "seed"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "fox " * 80}]}, "messages"),
 ])
 def test_bad_chat_requests_name_the_field(state: ServerState, body: dict, param: str) -> None:
@@ -171,6 +181,46 @@ def test_bad_chat_requests_name_the_field(state: ServerState, body: dict, param:
     assert info.value.param == param, info.value.message
     error = info.value.to_dict()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+async def test_merged_streams_run_at_most_so_many_at_once() -> None:
+    """Five prompts' streams, two at a time: each next one starts as one ends, and every
+    delta arrives tagged with its prompt."""
+    running: list[int] = []
+    most = 0
+
+    async def stream(index: int):
+        nonlocal most
+        running.append(index)
+        most = max(most, len(running))
+        for step in range(3):
+            await asyncio.sleep(0.001 * (index % 3))
+            yield (index, step)
+        running.remove(index)
+
+    got = [(i, out) async for i, out in merge_streams([stream(i) for i in range(5)], 2)]
+    assert most == 2 and not running
+    assert sorted(got) == [(i, (i, step)) for i in range(5) for step in range(3)]
+
+
+async def test_leaving_merged_streams_early_stops_those_started_and_starts_no_more() -> None:
+    started: list[int] = []
+    closed: list[int] = []
+
+    async def stream(index: int):
+        started.append(index)
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield index
+        finally:
+            closed.append(index)
+
+    merged = merge_streams([stream(i) for i in range(6)], 3)
+    async for _ in merged:
+        break
+    await merged.aclose()
+    assert sorted(started) == [0, 1, 2] and sorted(closed) == [0, 1, 2]
 
 
 def test_unknown_model_is_404(state: ServerState) -> None:

@@ -97,7 +97,8 @@ def _client(tokenizer: Any, engine: ScriptedEngine, api_key: str | None = None,
         settings=ServerSettings(served_model_name="tiny", api_key=api_key,
                                 max_request_bytes=max_request_bytes),
         metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
-        max_model_len=512, vocab_size=len(tokenizer), kv_capacity_tokens=4096)
+        max_model_len=512, vocab_size=len(tokenizer), kv_capacity_tokens=4096,
+        max_num_seqs=8)
     return TestClient(app)
 
 
@@ -131,6 +132,16 @@ def test_scripted_turns_stream_deltas_then_done(tokenizer: Any) -> None:
                 "prompt_tokens_details": {"cached_tokens": 0}}
             ids.append(done["id"])
         assert ids[0] != ids[1] and engine.started == ids and engine.aborted == []
+
+
+def test_scripted_turns_take_stream_options_without_stream(tokenizer: Any) -> None:
+    """A turn always streams, so ``stream_options`` is valid with ``stream`` left out."""
+    with _client(tokenizer, ScriptedEngine()) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": HELLO, "max_tokens": 2,
+                      "stream_options": {"include_usage": True}})
+        deltas, done = _turn(ws)
+        assert done["type"] == "done" and len(deltas) == 2, done
 
 
 def test_scripted_n_choices_are_indexed(tokenizer: Any) -> None:
