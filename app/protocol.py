@@ -98,6 +98,8 @@ class _SamplingFields(_Model):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -269,7 +271,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None
-    token_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+    token_ids = _encode(state, prompt, "messages", add_special_tokens=False)
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
         else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -295,7 +297,7 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     for i, prompt in enumerate(req.prompt):
         param = "prompt" if len(req.prompt) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            ids = state.tokenizer.encode(prompt)
+            ids = _encode(state, prompt, param)
             prompts.append(PromptInput(prompt, ids))
         else:
             _check_token_ids(state, prompt, param)
@@ -339,8 +341,11 @@ def _sampling_params(req: _SamplingFields, state: ServerState, max_tokens: int |
         "repetition_penalty": req.repetition_penalty, "seed": req.seed,
         "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
     }
     values = {k: v for k, v in values.items() if v is not None}
+    _check_token_ids(state, req.stop_token_ids or [], "stop_token_ids")
     values.update(stop=req.stop, max_tokens=max_tokens, logprobs=logprobs,
                   logit_bias=_logit_bias(req.logit_bias, state))
     try:
@@ -371,6 +376,17 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
     return out
 
 
+def _encode(state: ServerState, text: str, param: str, add_special_tokens: bool = True
+            ) -> list[int]:
+    """The prompt's token ids; a prompt too long for the context in any tokenization is
+    refused first, without tokenizing it."""
+    if len(text) > state.max_prompt_chars:
+        raise bad_request(
+            f"The prompt has {len(text)} characters, more than this model's context of "
+            f"{state.context_tokens} tokens can hold", param, code="context_length_exceeded")
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def _check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
     bad = next((t for t in token_ids if not 0 <= t < state.vocab_size), None)
     if bad is not None:
@@ -382,7 +398,7 @@ def _fit_context(state: ServerState, num_prompt: int, params: SamplingParams,
                  prompt_param: str, max_param: str) -> SamplingParams:
     """Reject a prompt or ``max_tokens`` that cannot fit the context or the KV cache; an
     unset ``max_tokens`` becomes whatever room is left."""
-    limit = min(state.max_model_len, state.kv_capacity_tokens)
+    limit = state.context_tokens
     if num_prompt == 0:
         raise bad_request("The prompt is empty", prompt_param)
     if num_prompt >= limit:

@@ -70,7 +70,7 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{
         "id": state.served_model_name, "object": "model", "created": _STARTED,
         "owned_by": "tidal", "root": state.settings.model_path or state.served_model_name,
-        "max_model_len": state.max_model_len}]})
+        "max_model_len": state.context_tokens}]})
 
 
 async def health(request: Request) -> Response:

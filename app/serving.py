@@ -180,7 +180,10 @@ def completion_logprobs(state: ServerState, token_ids: list[int],
             values.append(None)
             tops.append(None)
             continue
-        values.append(entry.get(token_id, float("-inf")))
-        tops.append({state.token_text(t): lp for t, lp in sorted_top(entry, top)})
+        value = entry.get(token_id, float("-inf"))
+        values.append(value)
+        # the sampled token always among them, as OpenAI's and vLLM's: up to ``top`` + 1
+        top_entries = dict(sorted_top(entry, top)) | {token_id: value}
+        tops.append({state.token_text(t): lp for t, lp in top_entries.items()})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}

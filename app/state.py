@@ -6,6 +6,7 @@ One ``ServerState`` lives on ``app.state.tidal``. Handlers read the engine's sta
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,21 @@ class ServerState:
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
             max_num_seqs=core.config.max_num_seqs)
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence, prompt and output together: the model's context, or the
+        whole KV cache where that holds fewer tokens."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """More characters than a prompt that fits the context can have: the context times the
+        vocabulary's longest token string, times 4 for normalizers that merge characters.
+        Longer prompts are refused before tokenizing, which runs on the event loop (a 4 MiB
+        prompt took 2.3 s there, every other client waiting)."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return 4 * self.context_tokens * longest
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it (cached: the vocabulary is fixed)."""

@@ -17,7 +17,7 @@ from app.cli import build_parser, parse_bytes
 from app.metrics import ServerMetrics
 from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
 from app.server import build_app
-from app.serving import merge_streams
+from app.serving import completion_logprobs, merge_streams
 from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
 from app.state import ServerSettings, ServerState
 from core.async_engine import AsyncEngine
@@ -172,6 +172,8 @@ async def test_race_disconnect_returns_the_result_when_work_wins() -> None:
     ({"model": "tiny", "messages": CHAT, "top_p": 1e-310}, "top_p"),
     ({"model": "tiny", "messages": CHAT, "repetition_penalty": 1e-310}, "repetition_penalty"),
     ({"model": "tiny", "messages": CHAT, "seed": 2**64}, "seed"),
+    ({"model": "tiny", "messages": CHAT, "stop_token_ids": [999999]}, "stop_token_ids"),
+    ({"model": "tiny", "messages": CHAT, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "fox " * 80}]}, "messages"),
 ])
 def test_bad_chat_requests_name_the_field(state: ServerState, body: dict, param: str) -> None:
@@ -223,6 +225,30 @@ async def test_leaving_merged_streams_early_stops_those_started_and_starts_no_mo
     assert sorted(started) == [0, 1, 2] and sorted(closed) == [0, 1, 2]
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(state: ServerState) -> None:
+    """Logprobs are the model's raw ones: a sampled token (here by temperature, penalties or
+    logit_bias) may be outside the top ``k``, and is then added as entry ``k`` + 1."""
+    entry = {65: -0.1, 66: -2.5, 67: -6.0}
+    block = completion_logprobs(state, [67, 65], [entry, entry], top=1, text_offset=0)
+    text = state.token_text
+    assert block["token_logprobs"] == [-6.0, -0.1]
+    assert block["top_logprobs"] == [{text(65): -0.1, text(67): -6.0}, {text(65): -0.1}]
+
+
+def test_overlong_prompt_is_refused_without_tokenizing(state: ServerState,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "fox " * (state.max_prompt_chars // 4 + 1)
+    monkeypatch.setattr(state.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    for prepare, body, param in [
+            (prepare_completion_request, {"model": "tiny", "prompt": [text, "hi"]}, "prompt[0]"),
+            (prepare_chat_request, {"model": "tiny", "messages": [
+                {"role": "user", "content": text}]}, "messages")]:
+        with pytest.raises(ApiError) as info:
+            prepare(body, state)
+        assert (info.value.status, info.value.param, info.value.code) == (
+            400, param, "context_length_exceeded"), info.value.message
+
+
 def test_unknown_model_is_404(state: ServerState) -> None:
     with pytest.raises(ApiError) as info:
         prepare_chat_request({"model": "gpt-9", "messages": CHAT}, state)
@@ -246,6 +272,15 @@ def test_chat_request_is_templated_and_tokenized(state: ServerState, tokenizer: 
     assert prep.params.max_tokens == 48 - len(prep.prompt_token_ids)
     assert prep.stream and prep.stream_options.include_usage
     assert prep.request_id.startswith("chatcmpl-")
+
+
+def test_vllm_output_flags_reach_the_sampling_params(state: ServerState) -> None:
+    prep = prepare_completion_request({"model": "tiny", "prompt": "hi", "stop": "x",
+                                       "include_stop_str_in_output": True,
+                                       "skip_special_tokens": False}, state)
+    assert prep.params.include_stop_str_in_output and not prep.params.skip_special_tokens
+    plain = prepare_completion_request({"model": "tiny", "prompt": "hi"}, state)
+    assert not plain.params.include_stop_str_in_output and plain.params.skip_special_tokens
 
 
 def test_model_may_be_left_out_when_not_required(state: ServerState) -> None:
