@@ -11,7 +11,14 @@ from starlette.requests import Request
 
 from app.metrics import RequestTracker
 from app.protocol import ApiError, PreparedCompletion, prepare_completion_request
-from app.serving import completion_logprobs, generate, merge_streams, read_request, usage
+from app.serving import (
+    completion_logprobs,
+    generate,
+    merge_streams,
+    read_request,
+    text_advance,
+    usage,
+)
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState
 from core.outputs import CompletionOutput, RequestOutput
@@ -111,7 +118,7 @@ async def stream_completion(run: _Run) -> AsyncIterator[bytes]:
                     offset = offsets.get(index, 0)
                     logprobs = completion_logprobs(state, comp.token_ids, comp.logprobs or [],
                                                    prep.logprobs, offset)
-                    offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+                    offsets[index] = offset + sum(text_advance(state, t) for t in comp.token_ids)
                 yield chunk({"index": index, "text": comp.text, "logprobs": logprobs,
                              "finish_reason": comp.finish_reason})
     except ApiError as err:

@@ -161,8 +161,15 @@ def chat_logprobs(state: ServerState, token_ids: list[int],
 
 
 def _token_info(state: ServerState, token_id: int, logprob: float) -> dict[str, Any]:
-    text = state.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": state.token_text(token_id), "logprob": logprob,
+            "bytes": list(state.token_bytes(token_id))}
+
+
+def text_advance(state: ServerState, token_id: int) -> int:
+    """How far a token moves ``text_offset``: the characters whose first byte it holds, so
+    the bytes of one character spread over several tokens count once (their texts are each
+    U+FFFD)."""
+    return sum(1 for b in state.token_bytes(token_id) if b & 0xC0 != 0x80)
 
 
 def completion_logprobs(state: ServerState, token_ids: list[int],
@@ -175,7 +182,7 @@ def completion_logprobs(state: ServerState, token_ids: list[int],
         text = state.token_text(token_id)
         tokens.append(text)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += text_advance(state, token_id)
         if entry is None:
             values.append(None)
             tops.append(None)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
+from core.token_decoders import token_bytes
 
 if TYPE_CHECKING:
     from core.async_engine import AsyncEngine
@@ -41,6 +42,7 @@ class ServerState:
     kv_capacity_tokens: int  # tokens the whole KV cache holds: one sequence can use no more
     max_num_seqs: int  # sequences in one batch: how many one request may have in the engine
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def served_model_name(self) -> str:
@@ -81,3 +83,14 @@ class ServerState:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token, as logprobs report them: a byte token that is part of a
+        character has its own byte, not its text's U+FFFD (cached)."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = token_bytes(self.tokenizer, token_id)
+            if raw is None:
+                raw = self.token_text(token_id).encode()
+            self._token_bytes[token_id] = raw
+        return raw

@@ -15,9 +15,10 @@ last few ids per step.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any, Protocol
 
 from tokenizers import decoders
@@ -254,3 +255,35 @@ def _is_incomplete(text: str, prefix_text: str) -> bool:
     """True while the newest ids add nothing to the text yet: no new characters, or text that
     ends in an incomplete character."""
     return len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR)
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """The bytes token ``token_id`` stands for, which its decoded text cannot give where the
+    token is part of a character (that decodes to U+FFFD): under a byte-level decoder, its
+    token string read through the byte-level alphabet; a byte-fallback token (``<0xC3>``), its
+    byte. None for any other token: its text is then its bytes."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    if match := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(match.group(1), 16)])
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    alphabet = _byte_level_alphabet()
+    if not all(char in alphabet for char in piece):  # an added token, kept as written
+        return None
+    return bytes(alphabet[char] for char in piece)
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves,
+    the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

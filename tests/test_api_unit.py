@@ -17,7 +17,7 @@ from app.cli import build_parser, parse_bytes
 from app.metrics import ServerMetrics
 from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
 from app.server import build_app
-from app.serving import completion_logprobs, merge_streams
+from app.serving import chat_logprobs, completion_logprobs, merge_streams
 from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
 from app.state import ServerSettings, ServerState
 from core.async_engine import AsyncEngine
@@ -233,6 +233,21 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(state: ServerStat
     text = state.token_text
     assert block["token_logprobs"] == [-6.0, -0.1]
     assert block["top_logprobs"] == [{text(65): -0.1, text(67): -6.0}, {text(65): -0.1}]
+
+
+def test_logprobs_give_each_byte_token_its_own_byte_and_offsets_index_the_text(
+        state: ServerState) -> None:
+    """"é" as its two byte tokens, then "x": each byte token decodes to U+FFFD on its own, but
+    its ``bytes`` are its byte, and ``text_offset`` counts the character once."""
+    tokenizer = state.tokenizer
+    pieces = ["Ã", "©", "x"]  # the byte-level alphabet's spelling of 0xC3, 0xA9 and "x"
+    ids = tokenizer.convert_tokens_to_ids(pieces)
+    assert tokenizer.decode(ids) == "éx" and tokenizer.decode(ids[:1]) == "\ufffd"
+    assert [state.token_bytes(t) for t in ids] == [b"\xc3", b"\xa9", b"x"]
+    block = completion_logprobs(state, ids, [{t: -1.0} for t in ids], top=1, text_offset=5)
+    assert block["text_offset"] == [5, 6, 6]
+    content = chat_logprobs(state, ids, [{t: -1.0} for t in ids], top=0)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == "éx"
 
 
 def test_overlong_prompt_is_refused_without_tokenizing(state: ServerState,
