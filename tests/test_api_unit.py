@@ -17,7 +17,7 @@ from app.cli import build_parser, parse_bytes
 from app.metrics import ServerMetrics
 from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
 from app.server import build_app
-from app.serving import chat_logprobs, completion_logprobs, merge_streams
+from app.serving import chat_logprobs, completion_logprobs
 from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
 from app.state import ServerSettings, ServerState
 from core.async_engine import AsyncEngine
@@ -183,46 +183,6 @@ def test_bad_chat_requests_name_the_field(state: ServerState, body: dict, param:
     assert info.value.param == param, info.value.message
     error = info.value.to_dict()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-
-
-async def test_merged_streams_run_at_most_so_many_at_once() -> None:
-    """Five prompts' streams, two at a time: each next one starts as one ends, and every
-    delta arrives tagged with its prompt."""
-    running: list[int] = []
-    most = 0
-
-    async def stream(index: int):
-        nonlocal most
-        running.append(index)
-        most = max(most, len(running))
-        for step in range(3):
-            await asyncio.sleep(0.001 * (index % 3))
-            yield (index, step)
-        running.remove(index)
-
-    got = [(i, out) async for i, out in merge_streams([stream(i) for i in range(5)], 2)]
-    assert most == 2 and not running
-    assert sorted(got) == [(i, (i, step)) for i in range(5) for step in range(3)]
-
-
-async def test_leaving_merged_streams_early_stops_those_started_and_starts_no_more() -> None:
-    started: list[int] = []
-    closed: list[int] = []
-
-    async def stream(index: int):
-        started.append(index)
-        try:
-            while True:
-                await asyncio.sleep(0)
-                yield index
-        finally:
-            closed.append(index)
-
-    merged = merge_streams([stream(i) for i in range(6)], 3)
-    async for _ in merged:
-        break
-    await merged.aclose()
-    assert sorted(started) == [0, 1, 2] and sorted(closed) == [0, 1, 2]
 
 
 def test_completion_top_logprobs_always_hold_the_sampled_token(state: ServerState) -> None:
