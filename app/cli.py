@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'auto' is cpu (C++ decode kernels) on CPU and triton on GPU")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1 requests")
+    serve.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="origins whose web pages may call the API (CORS), e.g. "
+                       "http://localhost:3000, or '*' for any (default: none)")
     serve.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
                        help="largest request body accepted (larger ones get 413)")
     serve.add_argument("--log-level", default="info",
@@ -166,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-        host=args.host, port=args.port)
+        host=args.host, port=args.port, allowed_origins=args.allowed_origins)
     app = build_app(engine, settings)
     run_event_loop(_serve(app, settings, engine))
     return 0

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -58,10 +60,20 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _server_error},
+        middleware=_cors(settings.allowed_origins),
         lifespan=lifespan,
     )
     app.state.tidal = state
     return app
+
+
+def _cors(origins: list[str]) -> list[Middleware]:
+    """Cross-origin access for web pages served elsewhere: any method and header (the API
+    key travels in ``Authorization``) from ``origins``; none by default."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                       allow_headers=["*"])]
 
 
 async def list_models(request: Request) -> Response:
@@ -93,7 +105,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return _json_error(ApiError(exc.status_code, exc.detail, type="invalid_request_error"))
+    response = _json_error(ApiError(exc.status_code, exc.detail, type="invalid_request_error"))
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

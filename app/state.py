@@ -28,6 +28,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     host: str = "127.0.0.1"
     port: int = 8000
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; none: same origin only
 
 
 @dataclass

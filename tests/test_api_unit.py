@@ -333,6 +333,25 @@ def test_engine_death_gives_errors_not_hangs(model_dir: Path) -> None:
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
 
 
+def test_cors_is_off_unless_origins_are_allowed_and_405_names_the_methods(
+        model_dir: Path) -> None:
+    page = "http://page.example"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    for origins in ([], [page]):
+        app = build_app(AsyncEngine(_engine_config(model_dir)),
+                        ServerSettings(served_model_name="tiny", allowed_origins=origins))
+        with TestClient(app) as client:
+            allowed = client.get("/v1/models", headers={"Origin": page}).headers.get(
+                "access-control-allow-origin")
+            options = client.options("/v1/completions", headers=preflight)
+            assert allowed == (page if origins else None)
+            assert options.status_code == (200 if origins else 405)
+            wrong = client.get("/v1/completions")
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+            assert wrong.json()["error"]["message"]
+
+
 # -- the CLI ----------------------------------------------------------------------------------
 def test_parse_bytes() -> None:
     assert parse_bytes("512MiB") == 512 << 20
@@ -359,7 +378,9 @@ def test_cli_flags(model_dir: Path) -> None:
         "serve", "--model", str(model_dir), "--host", "0.0.0.0", "--port", "9000",
         "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "512", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-        "--no-enable-prefix-caching", "--api-key", "k", "--served-model-name", "tiny"])
+        "--no-enable-prefix-caching", "--api-key", "k", "--served-model-name", "tiny",
+        "--allowed-origins", "http://a.example", "http://b.example"])
+    assert args.allowed_origins == ["http://a.example", "http://b.example"]
     assert (args.host, args.port, args.max_num_seqs, args.max_model_len) == ("0.0.0.0", 9000, 8,
                                                                              256)
     assert args.kv_cache_memory == 64 << 20 and args.enable_prefix_caching is False
