@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -82,10 +83,8 @@ class EngineCore:
         error on the next step."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        prompt_token_ids = self._checked_token_ids(prompt_token_ids, "prompt token id")
+        self._checked_token_ids(list(params.logit_bias or {}), "logit_bias token id")
         children = [self._child(request_id, i, list(prompt_token_ids), params)
                     for i in range(params.n)]
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids),
@@ -94,6 +93,16 @@ class EngineCore:
         for child in children:
             if self.scheduler.add_request(child) is not None:
                 self._finished_elsewhere.append(child)
+
+    def _checked_token_ids(self, token_ids: list[int], what: str) -> list[int]:
+        """``token_ids`` as ints, or ``ValueError`` for one that is not an integer (numpy's
+        are) or is outside the vocabulary."""
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"{what} {t!r} is not an integer")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in token_ids]
 
     def _child(self, request_id: str, index: int, prompt_token_ids: list[int],
                params: SamplingParams) -> Request:

@@ -40,7 +40,13 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params_list = self._params_per_prompt(params, len(prompts))
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, prompt_params in zip(prompts, params_list):
+                ids.append(self._add(prompt, prompt_params))
+        except Exception:
+            self.engine.abort_requests(ids)  # none left queued for a later call to run
+            raise
         results = self._run(ids, use_tqdm)
         return [results[i] for i in ids]
 
@@ -64,6 +70,8 @@ class LLM:
             return [params] * n
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("params must be a SamplingParams or a list of them, one per prompt")
         return list(params)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:

@@ -10,6 +10,8 @@ _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 @dataclass
@@ -61,7 +63,8 @@ class SamplingParams:
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
+        # logits are divided by it in float32, where anything smaller is 0
+        _check_range("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, None)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
@@ -82,8 +85,11 @@ class SamplingParams:
                    for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         for token_id, bias in (self.logit_bias or {}).items():
-            _check_int("logit_bias", int(token_id), lo=0, note=" (keys are token ids)")
+            _check_int("logit_bias", token_id, lo=0, note=" (keys are token ids)")
             _check_range("logit_bias", bias, -100.0, 100.0)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

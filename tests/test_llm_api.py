@@ -74,6 +74,34 @@ def test_seeds_at_the_top_of_64_bits_wrap_for_later_choices(llm):
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_a_generate_that_fails_midway_leaves_nothing_queued(llm):
+    """The second prompt's params cannot fit the context: the first, already queued, is
+    aborted, so the next call runs its own prompt alone."""
+    engine = llm.engine
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=200, ignore_eos=True),
+                                           SamplingParams(max_tokens=None, min_tokens=10**4)],
+                     use_tqdm=False)
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    steps = engine.profiler.num_steps
+    out = llm.generate([[10, 11]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1 and engine.profiler.num_steps - steps <= 2
+    assert not engine.output_processor.parents
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("prompts,params,field", [
+    ([[5.0, 6]], SamplingParams(max_tokens=2), "prompt token id 5.0 is not an integer"),
+    ([[True, 6]], SamplingParams(max_tokens=2), "prompt token id True"),
+    ([[5, 6]], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}), "logit_bias token id"),
+    ([[5, 6]], ["not params"], "SamplingParams"),
+])
+def test_bad_prompts_and_params_are_value_errors(llm, prompts, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.output_processor.parents
+
+
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "Hello there"}]

@@ -16,7 +16,8 @@ def test_defaults_are_valid():
     ("min_p", 2.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
     ("seed", 1.5), ("n", True), ("seed", 2**64), ("seed", -(2**63) - 1), ("top_p", 1e-310),
-    ("repetition_penalty", 5e-324),
+    ("repetition_penalty", 5e-324), ("repetition_penalty", 1e-300), ("ignore_eos", "no"),
+    ("skip_special_tokens", None), ("include_stop_str_in_output", 1), ("logit_bias", {7.9: 1.0}),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
