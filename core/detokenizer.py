@@ -40,7 +40,7 @@ class IncrementalDetokenizer:
         self._decoder = make_token_decoder(tokenizer, list(prompt_token_ids),
                                            params.skip_special_tokens)
         self._stops = StopStringMatcher(params.stop) if params.stop else None
-        self._include_stop = params.include_stop_str_in_output
+        self.include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
         self._done = False
@@ -68,11 +68,11 @@ class IncrementalDetokenizer:
         match = self._stops.feed(text, stop_floor) if self._stops else None
         if match is not None:
             start, stop = match
-            cut = len(self._held) + start + (len(stop) if self._include_stop else 0)
+            cut = len(self._held) + start + (len(stop) if self.include_stop else 0)
             self._release((self._held + text)[:cut], "")
             self._done = True
             return stop
-        if finished or self._stops is None or self._include_stop:
+        if finished or self._stops is None or self.include_stop:
             self._release(self._held + text, "")
         else:
             pending = self._held + text  # the matcher's tail is a suffix of it

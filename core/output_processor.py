@@ -94,8 +94,12 @@ class OutputProcessor:
         """The stop string the new tokens completed (or None) and their final text."""
         if detokenizer is None:
             return None, ""
+        token_ids = update.new_token_ids
+        if (update.finished and update.request.status == RequestStatus.FINISHED_STOPPED
+                and not detokenizer.include_stop):
+            token_ids = token_ids[:-1]  # ended by EOS or a stop id, whose text is left out
         try:
-            return detokenizer.update_and_get_delta(update.new_token_ids, update.finished)
+            return detokenizer.update_and_get_delta(token_ids, update.finished)
         except DetokenizationError as exc:
             update.request.error = str(exc)
             _finish(update.request, RequestStatus.FINISHED_ERROR, None, stop)

@@ -102,6 +102,22 @@ def test_bad_prompts_and_params_are_value_errors(llm, prompts, params, field):
     assert not llm.engine.output_processor.parents
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm):
+    """vLLM's rule: output ended by EOS or a stop id keeps the id but not its text, unless
+    ``include_stop_str_in_output``."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                            skip_special_tokens=False)
+    free = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = free[3]
+    first = free.index(stop_id)
+    for include in (False, True):
+        params = greedy.clone(stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free[:first + 1] and out.stop_reason == stop_id
+        kept = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == llm.tokenizer.decode(kept, skip_special_tokens=False)
+
+
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "Hello there"}]
