@@ -17,6 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.chat_template import ChatTemplateError
+from core.chat_messages import content_text
 from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -133,21 +134,11 @@ class ChatMessage(_Model):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("must be a string or a list of text content parts")
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise ValueError(f"part {i} must be {{\"type\": \"text\", \"text\": <string>}}"
-                                 " (only text content is supported)")
+        content_text(value)  # its ValueError names what is wrong
         return value
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part["text"] for part in self.content)
-        return self.content or ""
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

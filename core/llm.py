@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from core.chat_messages import content_text
 from core.config import EngineConfig
 from core.engine_core import EngineCore
 from core.outputs import RequestOutput
@@ -56,9 +57,9 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(
+            [{**m, "content": content_text(m.get("content"))} for m in c], tokenize=False,
+            add_generation_prompt=add_generation_prompt) for c in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, params, use_tqdm)
 

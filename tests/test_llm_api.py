@@ -127,6 +127,15 @@ def test_chat_applies_the_template(llm):
                                                  add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
     assert llm.tokenizer.decode(out.prompt_token_ids).endswith("<|assistant|>\n")
+    # OpenAI's list of text parts renders as their text, joined by newlines, as the server's
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_parts = llm.chat([conversation[0], {"role": "user", "content": parts}],
+                        SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert as_parts.prompt_token_ids == llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [conversation[0], {"role": "user", "content": "Hello\nthere"}], tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False)
+    with pytest.raises(ValueError, match="only text"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False)
 
 
 def test_bad_prompt_ids_and_context_overflow(llm):
