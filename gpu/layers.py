@@ -1,7 +1,7 @@
 """Building blocks of Llama-family models: RMSNorm, rotary position embeddings and the gated
 MLP's activation.
 
-On the CPU each runs as one compiled kernel (``gpu/cpu_kernels.cpp``, ``cpu_activation.cpp``)
+On the CPU each runs as one compiled kernel (``gpu/cpu/csrc/kernels.cpp``, ``activation.cpp``)
 where they are built: the torch forms below are 6, 14 and 2 ops, whose fixed costs dominate a
 decode step and whose intermediates are each a trip through memory at prefill sizes.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu_kernels import cpu_kernels_for
+from gpu.cpu.kernels import cpu_kernels_for
 
 
 class RMSNorm(nn.Module):

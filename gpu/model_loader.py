@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 from gpu.attention import AttentionBackend
-from gpu.decode_stack import build_decode_stack
+from gpu.cpu.decode_stack import build_decode_stack
+from gpu.cpu.packed_linear import can_pack, pack_linear_layers
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
-from gpu.packed_linear import can_pack, pack_linear_layers
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionMetadata, get_attention_backend
-from gpu.cpu_kernels import denormals_flushed, load_cpu_kernels
+from gpu.cpu.host_allocator import keep_freed_host_memory
+from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cuda_graphs import CudaGraphRunner
-from gpu.host_allocator import keep_freed_host_memory
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.cpu_kernels import load_cpu_kernels
+from gpu.cpu.kernels import load_cpu_kernels
 from gpu.sampling_metadata import Penalties, RandomRows, SamplingMetadata
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -90,7 +90,7 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's first maximum. On the CPU, for float32 rows, the compiled kernel
-    (``cpu_argmax.cpp``, which reads a row 16 lanes at a time where torch's ``max`` runs a
+    (``argmax.cpp``, which reads a row 16 lanes at a time where torch's ``max`` runs a
     scalar loop); else ``max``'s indices, 3x faster than ``argmax`` over a vocabulary row
     (57 against 177 us at [32, 8192]) with the same first-index rule; elsewhere ``argmax``."""
     if not x.is_cpu:

@@ -13,7 +13,7 @@ import torch
 from gpu.attention import AttentionBackend, get_attention_backend
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention
-from gpu.cpu_kernels import load_cpu_kernels
+from gpu.cpu.kernels import load_cpu_kernels
 from tests.paged_layout import paged_layout, random_caches
 
 KV_HEADS = 2

@@ -1,4 +1,4 @@
-"""The one-call C++ decode step (``gpu/decode_stack.py``): built where it applies, bitwise the
+"""The one-call C++ decode step (``gpu/cpu/decode_stack.py``): built where it applies, bitwise the
 Python model's hidden states on ragged paged batches, and left out of every other step."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gpu.attention import get_attention_backend
-from gpu.cpu_kernels import load_cpu_kernels
-from gpu.decode_stack import runs_on_stack
+from gpu.cpu.decode_stack import runs_on_stack
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.packed_linear import can_pack
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model
 from gpu.models.llama import LlamaForCausalLM
-from gpu.packed_linear import can_pack
 from gpu.random_model import build_model_dir
 from tests.paged_layout import paged_layout, random_caches
 

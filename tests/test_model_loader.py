@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core import LLM, SamplingParams
+from gpu.cpu.packed_linear import PackedLinear
 from gpu.model_config import ModelConfig
 from gpu.model_loader import resolve_dtype
-from gpu.packed_linear import PackedLinear
 from gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu_kernels import load_cpu_kernels
-from gpu.packed_linear import PLAIN_GEMM_MIN_ROWS, PackedLinear, can_pack, pack_linear_layers
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.packed_linear import PLAIN_GEMM_MIN_ROWS, PackedLinear, can_pack, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32),
                                 reason="torch built without oneDNN")

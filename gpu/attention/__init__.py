@@ -4,7 +4,7 @@ from gpu.attention.backend import AttentionBackend
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu_kernels import load_cpu_kernels
+from gpu.cpu.kernels import load_cpu_kernels
 
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:

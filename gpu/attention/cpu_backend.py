@@ -1,6 +1,6 @@
 """The CPU attention backend: decode rows are attended in one pass over the paged cache by a
-C++ kernel (``gpu/cpu_attention.cpp``), every float32 prefill chunk of a step in one call by
-another (``gpu/cpu_prefill_attention.cpp``), and each step's keys and values are stored by a
+C++ kernel (``gpu/cpu/csrc/attention.cpp``), every float32 prefill chunk of a step in one call by
+another (``gpu/cpu/csrc/prefill_attention.cpp``), and each step's keys and values are stored by a
 third.
 
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
@@ -16,7 +16,7 @@ import torch
 
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu_kernels import KERNEL_DTYPES
+from gpu.cpu.kernels import KERNEL_DTYPES
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

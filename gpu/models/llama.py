@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gpu.attention import AttentionBackend, AttentionMetadata
-from gpu.decode_stack import runs_on_stack
+from gpu.cpu.decode_stack import runs_on_stack
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
 
@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.decode_stack: Any = None  # gpu.decode_stack's one-call decode step, once built
+        self.decode_stack: Any = None  # gpu.cpu.decode_stack's one-call decode step, once built
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again

@@ -1,5 +1,5 @@
-// Kernels defined in their own source files and bound into the module by cpu_kernels.cpp, and
-// cpu_kernels.cpp's own, which cpu_decoder.cpp calls too.
+// Kernels defined in their own source files and bound into the module by kernels.cpp, and
+// kernels.cpp's own, which decoder.cpp calls too.
 #pragma once
 
 #include <torch/extension.h>
@@ -7,51 +7,51 @@
 #include <tuple>
 #include <vector>
 
-// cpu_kernels.cpp: RMSNorm of a contiguous x's rows, normalised in float32.
+// kernels.cpp: RMSNorm of a contiguous x's rows, normalised in float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
-// cpu_kernels.cpp: (x + delta, RMSNorm(x + delta)) in one pass.
+// kernels.cpp: (x + delta, RMSNorm(x + delta)) in one pass.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta,
                                                       torch::Tensor weight, double eps);
 
-// cpu_kernels.cpp: rotate-half RoPE of query and key [tokens, heads, head_dim], in place.
+// kernels.cpp: rotate-half RoPE of query and key [tokens, heads, head_dim], in place.
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
                       torch::Tensor sin, torch::Tensor positions);
 
-// cpu_kernels.cpp: key/value rows into the paged caches at their slots (-1: skipped).
+// kernels.cpp: key/value rows into the paged caches at their slots (-1: skipped).
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slot_mapping);
 
-// cpu_linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
+// linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 
-// cpu_linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels,
+// linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels,
 // or from mkl_pack_linear_weight's copy of the same W (when given; the pack carries no shape
 // to check against x) for a step of many rows.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                             c10::optional<torch::Tensor> bias,
                             c10::optional<torch::Tensor> mkl_packed);
 
-// cpu_mkl_linear.cpp: W [out_features, in_features] float32 -> MKL's packed form of W^T, or
+// mkl_linear.cpp: W [out_features, in_features] float32 -> MKL's packed form of W^T, or
 // None where torch has no MKL.
 c10::optional<torch::Tensor> mkl_pack_linear_weight(torch::Tensor weight);
 
-// cpu_mkl_linear.cpp: y = x W^T (+ bias, out_features floats) by MKL over its packed W^T;
+// mkl_linear.cpp: y = x W^T (+ bias, out_features floats) by MKL over its packed W^T;
 // x's rows are contiguous (packed_linear checks x).
 torch::Tensor mkl_packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                 int64_t out_features, const float* bias);
 
-// cpu_attention.cpp: whether decode_attention takes this head_dim.
+// attention.cpp: whether decode_attention takes this head_dim.
 bool decode_attention_supports(int64_t head_dim);
 
-// cpu_attention.cpp: out[query_rows[i]] = softmax(scale * q.K) V over request requests[i]'s
+// attention.cpp: out[query_rows[i]] = softmax(scale * q.K) V over request requests[i]'s
 // paged context, for every decode row i.
 void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale);
 
-// cpu_prefill_attention.cpp: causal attention of the query rows of every request in
+// prefill_attention.cpp: causal attention of the query rows of every request in
 // `requests` (rows query_start_loc[r]:query_start_loc[r + 1], the last ones of its context)
 // over its paged context, into the same rows of out; float32, decode_attention's head sizes.
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
@@ -59,13 +59,13 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        torch::Tensor requests, double scale);
 
-// cpu_activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
+// activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
 torch::Tensor silu_and_mul(torch::Tensor x);
 
-// cpu_argmax.cpp: each row's argmax of a float32 [rows, width], with torch's max(dim=-1) rules.
+// argmax.cpp: each row's argmax of a float32 [rows, width], with torch's max(dim=-1) rules.
 torch::Tensor argmax_rows(torch::Tensor x);
 
-// cpu_inputs.cpp: a decode step's [input_ids, positions, slot_mapping, seq_lens (int32),
+// inputs.cpp: a decode step's [input_ids, positions, slot_mapping, seq_lens (int32),
 // query_start_loc (int32), block_table (int32, num_block_columns wide)] for the requests at
 // `rows` of the persistent batch, each with one new token at `positions`.
 std::vector<torch::Tensor> decode_inputs(const std::vector<int64_t>& rows,
@@ -73,5 +73,5 @@ std::vector<torch::Tensor> decode_inputs(const std::vector<int64_t>& rows,
                                          torch::Tensor token_ids, torch::Tensor block_table,
                                          int64_t block_size, int64_t num_block_columns);
 
-// cpu_decoder.cpp: binds DecodeStack, a float32 Llama decode step in one call.
+// decoder.cpp: binds DecodeStack, a float32 Llama decode step in one call.
 void bind_decode_stack(py::module& m);

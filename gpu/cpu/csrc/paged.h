@@ -1,5 +1,5 @@
-// What the paged-attention kernels (cpu_attention.cpp for decode rows,
-// cpu_prefill_attention.cpp for prefill chunks) share: the checks of their common inputs, made
+// What the paged-attention kernels (attention.cpp for decode rows,
+// prefill_attention.cpp for prefill chunks) share: the checks of their common inputs, made
 // before any index is used, and where a request's context positions sit in the cache.
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
@@ -7,8 +7,8 @@
 // seq_lens [requests] int32.
 #pragma once
 
-#include "cpu_kernels.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <ATen/MemoryOverlap.h>
 

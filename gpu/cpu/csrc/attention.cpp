@@ -33,10 +33,10 @@
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
-#include "cpu_kernels.h"
-#include "cpu_paged.h"
-#include "cpu_parallel.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "paged.h"
+#include "parallel.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-"""A float32 or bfloat16 Llama's decode steps in one C++ call on the CPU (``cpu_decoder.cpp``).
+"""A float32 or bfloat16 Llama's decode steps in one C++ call on the CPU (``decoder.cpp``).
 
 The Python model spends a good part of a decode step between its kernels (about 1.2 of 4.7 ms
 at batch 1 on a 30M model), and holds the GIL there, so a server's event loop and the step take
@@ -17,8 +17,8 @@ import torch
 
 from gpu.attention import AttentionMetadata
 from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.cpu_kernels import load_cpu_kernels
-from gpu.packed_linear import PLAIN_GEMM_MIN_ROWS, PackedLinear
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.packed_linear import PLAIN_GEMM_MIN_ROWS, PackedLinear
 
 # The dtypes the stack takes, each with whether its linears run on tidal's own GEMM (else on
 # oneDNN, as PackedLinear packs them).

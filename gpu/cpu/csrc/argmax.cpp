@@ -4,8 +4,8 @@
 // 2-core AVX-512 host, a greedy decode step's logits); here each of 16 lanes keeps its own
 // maximum and index over the row, and the lanes are compared once at the end.
 
-#include "cpu_kernels.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 

@@ -2,8 +2,8 @@
 // embeddings fused into one pass each (torch runs them as 6, 7 and 14 small ops, whose fixed
 // costs dominate at decode batch sizes), and a switch that flushes denormal floats to zero on
 // torch's worker threads. This file also binds the module, with decode attention
-// (cpu_attention.cpp), the float32 GEMM (cpu_linear.cpp), SiLU(gate) * up (cpu_activation.cpp),
-// the greedy sampler's argmax (cpu_argmax.cpp) and the one-call decode step (cpu_decoder.cpp).
+// (attention.cpp), the float32 GEMM (linear.cpp), SiLU(gate) * up (activation.cpp),
+// the greedy sampler's argmax (argmax.cpp) and the one-call decode step (decoder.cpp).
 //
 // Kernels are split over tokens with at::parallel_for, on torch's own thread pool. Every index
 // is checked before any is used.
@@ -11,8 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "cpu_kernels.h"
-#include "cpu_parallel.h"
+#include "kernels.h"
+#include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>

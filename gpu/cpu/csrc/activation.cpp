@@ -9,8 +9,8 @@
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
-#include "cpu_kernels.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 

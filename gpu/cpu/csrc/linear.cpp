@@ -21,9 +21,9 @@
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
-#include "cpu_kernels.h"
-#include "cpu_parallel.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t kPanel = 32;     // columns per panel: two vectors of 16 floats
 constexpr int64_t kRowBlock = 8;   // rows of y the microkernel holds in registers
 constexpr int64_t kRowChunk = 128; // rows of x kept in cache while every panel passes
-// From this many rows MKL's packed GEMM (cpu_mkl_linear.cpp) outruns the panels, where a
+// From this many rows MKL's packed GEMM (mkl_linear.cpp) outruns the panels, where a
 // layer has its pack: 10 % at 128 rows over a 30M Llama's weights, even at 96.
 constexpr int64_t kMklMinRows = 128;
 

@@ -22,16 +22,16 @@
 // takes 2.8-2.9 ms against 5.5-5.9 (about 130 GFLOP/s of causal work against 65), and a
 // 192-token chunk after 1,800 cached positions 3.8-4.0 ms against 4.7-4.9 (about 190 GFLOP/s).
 //
-// Shapes as in cpu_paged.h; query_start_loc [requests + 1] int32 (request r's rows are
+// Shapes as in paged.h; query_start_loc [requests + 1] int32 (request r's rows are
 // query[query_start_loc[r]:query_start_loc[r + 1]]); requests [n] int64, the requests to
 // attend. float32 only: other dtypes keep torch's path.
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
-#include "cpu_kernels.h"
-#include "cpu_paged.h"
-#include "cpu_parallel.h"
-#include "cpu_vec.h"
+#include "kernels.h"
+#include "paged.h"
+#include "parallel.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <limits>

@@ -5,12 +5,12 @@ blocked layout each time; for the few rows of a decode step that costs about as 
 multiply. So every weight is packed once:
 
 - float32, where the C++ kernels are built: into the column panels of tidal's own GEMM
-  (``cpu_linear.cpp``), which overlaps each weight's trip from memory with the arithmetic.
+  (``linear.cpp``), which overlaps each weight's trip from memory with the arithmetic.
   Over a 30M Llama's 33 weights on a 2-core AVX-512 host, one pass took (ms, oneDNN packed
   against ours): 4.6 vs 2.8 at 1 row, 5.4 vs 3.3 at 8, 10.5 vs 7.0 at 32, 15.5 vs 11.8 at 64,
-  and even at 128 (at 32 rows ours is 6.5 ms since the work split of ``cpu_linear.cpp``).
+  and even at 128 (at 32 rows ours is 6.5 ms since the work split of ``linear.cpp``).
   Where torch has MKL, each weight is also packed for MKL's packed GEMM
-  (``cpu_mkl_linear.cpp``), which takes steps of 128 rows and more (big decode batches,
+  (``mkl_linear.cpp``), which takes steps of 128 rows and more (big decode batches,
   prefill chunks): 10 % faster there. That second copy doubles the float32 weights' memory,
   so it is made only while the linears hold at most ``MKL_PACK_MAX_BYTES``.
   Without MKL, from ``PLAIN_GEMM_MIN_ROWS`` rows the panels are copied back to a plain
@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from gpu.cpu_kernels import load_cpu_kernels
+from gpu.cpu.kernels import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 namespace {
 

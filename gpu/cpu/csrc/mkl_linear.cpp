@@ -1,7 +1,7 @@
 // MKL's packed-weight GEMM (cblas_sgemm_pack / cblas_sgemm_compute) for the float32 linear
 // layers, where torch was built with MKL: x86-64 wheels export these from libtorch_cpu.
 //
-// The panel GEMM of cpu_linear.cpp overlaps each weight's trip from memory with the
+// The panel GEMM of linear.cpp overlaps each weight's trip from memory with the
 // arithmetic, which wins while a step has few rows. From about a hundred rows the multiply
 // itself dominates, and there MKL's kernel is faster: a 30M Llama's 33 weights, on a 2-core
 // AVX-512 host (ms a pass, panels against MKL's packed weights): 17.5 vs 17.9 at 96 rows, 24.1
@@ -11,7 +11,7 @@
 // The symbols are weak: a torch without MKL leaves them null, and mkl_pack_linear_weight
 // answers None, so the callers keep the panels alone.
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,10 +1,10 @@
-"""Compiled CPU kernels: paged decode attention (``cpu_attention.cpp``) and prefill attention
-(``cpu_prefill_attention.cpp``), the float32 GEMM of the
-linear layers (``cpu_linear.cpp``, with MKL's packed GEMM for many rows in
-``cpu_mkl_linear.cpp``), the MLP's SiLU(gate) * up (``cpu_activation.cpp``), the
-greedy sampler's argmax (``cpu_argmax.cpp``), and the KV-cache write, RMSNorm (with or without
+"""Compiled CPU kernels: paged decode attention (``attention.cpp``) and prefill attention
+(``prefill_attention.cpp``), the float32 GEMM of the
+linear layers (``linear.cpp``, with MKL's packed GEMM for many rows in
+``mkl_linear.cpp``), the MLP's SiLU(gate) * up (``activation.cpp``), the
+greedy sampler's argmax (``argmax.cpp``), and the KV-cache write, RMSNorm (with or without
 the residual add before it), rotary embeddings and the flush of denormal floats on torch's
-worker threads (``cpu_kernels.cpp``).
+worker threads (``kernels.cpp``).
 
 The sources are compiled on first use with torch's extension builder (a C++ compiler and ninja
 are needed) for this machine's instruction set, and cached under ``TORCH_EXTENSIONS_DIR``; the
@@ -30,13 +30,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
-                        "cpu_linear.cpp",
-                        "cpu_mkl_linear.cpp", "cpu_activation.cpp", "cpu_argmax.cpp",
-                        "cpu_inputs.cpp", "cpu_decoder.cpp")]
-HEADERS = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.h", "cpu_paged.h", "cpu_parallel.h", "cpu_vec.h")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name
+           for name in ("kernels.cpp", "attention.cpp", "prefill_attention.cpp", "linear.cpp",
+                        "mkl_linear.cpp", "activation.cpp", "argmax.cpp", "inputs.cpp",
+                        "decoder.cpp")]
+HEADERS = [CSRC / name for name in ("kernels.h", "paged.h", "parallel.h", "vec.h")]
 DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
