@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--attention-backend", default=defaults.attention_backend,
                        choices=["auto", "cpu", "torch", "triton"],
                        help="'auto' is cpu (C++ decode kernels) on CPU and triton on GPU")
+    serve.add_argument("--cpu-kernels", default=None, choices=["auto", "force", "off"],
+                       help="CPU: 'auto' times tidal's kernels, oneDNN, MKL and torch for each "
+                       "op on this host and keeps the fastest (cached per machine); 'force' "
+                       "uses tidal's kernels; 'off' torch's own paths (default: "
+                       "$TIDAL_CPU_KERNELS, else auto)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1 requests")
     serve.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
@@ -159,7 +164,8 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-            async_scheduling=args.async_scheduling, attention_backend=args.attention_backend)
+            async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
+            cpu_kernels=args.cpu_kernels)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2

@@ -20,9 +20,9 @@ import torch
 
 from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
+from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from tests.paged_layout import paged_layout, random_caches  # the tests' random paged layouts
 
 BLOCK_SIZE = 16
 # name -> (rows, positions each row attends over, layers' caches gone round)

@@ -18,9 +18,9 @@ import torch
 
 from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
+from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from tests.paged_layout import paged_layout, random_caches  # the tests' random paged layouts
 
 
 def layouts(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:

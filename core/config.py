@@ -40,6 +40,9 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 while N runs; None: on GPU only
     attention_backend: str = "auto"  # "auto", "cpu", "torch" or "triton"
+    # CPU: "auto" (each op's fastest on this host, timed), "force" (tidal's kernels) or "off"
+    # (torch's own paths); None: the TIDAL_CPU_KERNELS environment variable, else "auto"
+    cpu_kernels: str | None = None
     seed: int = 0
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 

@@ -2,8 +2,10 @@
 MLP's activation.
 
 On the CPU each runs as one compiled kernel (``gpu/cpu/csrc/kernels.cpp``, ``activation.cpp``)
-where they are built: the torch forms below are 6, 14 and 2 ops, whose fixed costs dominate a
-decode step and whose intermediates are each a trip through memory at prefill sizes.
+where they are built and their plan (timed on the host, ``gpu/cpu/op_plans.py``) says they are
+faster for the rows at hand: the torch forms below are 6, 14 and 2 ops, whose fixed costs
+dominate a decode step and whose intermediates are each a trip through memory at prefill
+sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu.kernels import cpu_kernels_for
+from gpu.cpu.selector import Plan
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +27,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels_for(x)
+        kernels = cpu_kernels_for(x, self.plan)
         if kernels is not None and x.is_contiguous():
             return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -38,17 +42,17 @@ class RMSNorm(nn.Module):
                      delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, norm(x + delta))``: a residual add and the norm after it, in one
         pass on the CPU (the add alone is a trip through memory at prefill sizes)."""
-        kernels = cpu_kernels_for(x)
+        kernels = cpu_kernels_for(x, self.plan)
         if kernels is not None and x.is_contiguous() and delta.is_contiguous():
             return kernels.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
     """``SiLU(gate) * up`` of a fused ``[..., 2n]`` gate/up projection, rounded as HF's
     ``F.silu(gate) * up`` (SiLU to the input dtype, then the product)."""
-    kernels = cpu_kernels_for(gate_up)
+    kernels = cpu_kernels_for(gate_up, plan)
     if kernels is not None and gate_up.is_contiguous():
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -69,13 +73,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``/``k`` are ``[tokens, heads, head_dim]``. The compiled kernel rotates them in
         place (outside autograd: this is inference code) and returns them; the torch form
         returns new tensors."""
-        kernels = cpu_kernels_for(q)
+        kernels = cpu_kernels_for(q, self.plan)
         if kernels is not None and positions.dtype == torch.int64:
             kernels.rotary_embedding(q, k, self.cos, self.sin, positions)
             return q, k

@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from gpu.attention import AttentionBackend
 from gpu.cpu.decode_stack import build_decode_stack
-from gpu.cpu.packed_linear import can_pack, pack_linear_layers
+from gpu.cpu.op_plans import ModelPlans, log_plans, plan_model, stack_rows
+from gpu.cpu.packed_linear import can_pack
+from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
 
@@ -35,18 +37,37 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
+               max_positions: int, dtype: torch.dtype, device: str, max_rows: int = 256,
+               max_seqs: int = 64, plan_cache: PlanCache | None = None) -> LlamaForCausalLM:
+    """The model, ready to run. On the CPU its ops are planned for steps of up to ``max_rows``
+    tokens and ``max_seqs`` decode rows (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by
+    default this host's)."""
+    model = read_model(model_dir, cfg, backend, max_positions, dtype, device)
+    if can_pack(device, dtype):
+        prepare_for_cpu(model, max_rows, max_seqs, plan_cache)
+    return model
+
+
+def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
                max_positions: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    """The model with its weights read, in plain torch layers (nothing packed or planned)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
     _load_weights(model, cfg, Path(model_dir))
-    model.eval()
-    if can_pack(device, dtype):
-        pack_linear_layers(model)
-        model.decode_stack = build_decode_stack(model)
-    return model
+    return model.eval()
+
+
+def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
+                    plan_cache: PlanCache | None = None) -> ModelPlans:
+    """Plan every op, pack the linears as planned, and build the one-call decode step."""
+    plans = plan_model(model, max_rows, max_seqs, plan_cache)
+    log_plans(plans)
+    model.decode_stack = build_decode_stack(model)
+    model.stack_rows = stack_rows(model, max_seqs)
+    return plans
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path) -> None:

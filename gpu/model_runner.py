@@ -14,8 +14,10 @@ import torch
 from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
-from gpu.attention import AttentionMetadata, get_attention_backend
+from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from gpu.cpu import selector
 from gpu.cpu.host_allocator import keep_freed_host_memory
+from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cuda_graphs import CudaGraphRunner
 from gpu.input_batch import CachedRequestState, InputBatch
@@ -38,11 +40,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)
         if self.device == "cpu":
             keep_freed_host_memory()
+            if config.cpu_kernels is not None:
+                selector.set_mode(config.cpu_kernels)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.backend = get_attention_backend(config.attention_backend, config.device)
-        self.model = load_model(config.model, model_config, self.backend, max_model_len,
-                                self.dtype, config.device)
+        # A first start on a CPU serves on torch's paths while the kernels build (a server's).
+        self._upgrade = (KernelUpgrade(self._load_model)
+                         if self.device == "cpu" and not config.offline
+                         and needs_background_build() else None)
+        self.model = self._load_model()
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -147,6 +153,28 @@ class ModelRunner:
                                            self.device)
         self.cuda_graphs.capture()
 
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend of the model that runs now."""
+        return self.model.layers[0].self_attn.backend
+
+    def _load_model(self) -> torch.nn.Module:
+        config = self.config
+        backend = get_attention_backend(config.attention_backend, config.device)
+        return load_model(config.model, self.model_config, backend, self.max_model_len,
+                          self.dtype, config.device, max_rows=config.max_num_batched_tokens,
+                          max_seqs=config.max_num_seqs)
+
+    def _swap_in_kernels(self) -> None:
+        """Between steps: the model planned on the CPU kernels, once built in the background."""
+        model, self._upgrade = self._upgrade.model(), None
+        if model is None:
+            return
+        self.model = model
+        kernels = load_cpu_kernels()
+        self._decode_inputs = kernels.decode_inputs if kernels is not None else None
+        logger.info("the C++ CPU kernels are built: serving on them from this step")
+
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
@@ -187,6 +215,8 @@ class ModelRunner:
     def _launch_step(self, sched: SchedulerOutput,
                      before_forward: Callable[[], None] | None) -> StepHandle:
         prof = self.profiler
+        if self._upgrade is not None and self._upgrade.ready():
+            self._swap_in_kernels()
         self._update_states(sched)
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)

@@ -6,3 +6,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run tidal's kernels wherever they apply, as the kernel tests expect; the selector's
+# tests set ``auto`` themselves, with their own timings and plan caches.
+os.environ.setdefault("TIDAL_CPU_KERNELS", "force")

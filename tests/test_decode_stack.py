@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpu.attention import get_attention_backend
+from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.cpu.decode_stack import runs_on_stack
 from gpu.cpu.kernels import load_cpu_kernels
 from gpu.cpu.packed_linear import can_pack
@@ -14,7 +15,6 @@ from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model
 from gpu.models.llama import LlamaForCausalLM
 from gpu.random_model import build_model_dir
-from tests.paged_layout import paged_layout, random_caches
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 
@@ -99,7 +99,7 @@ def test_the_stack_writes_the_step_keys_and_values(model_dir, dtype):
 def test_prefill_and_padded_steps_take_the_python_path(model_dir):
     model = _load(model_dir)
     ids, positions, caches, meta = _step(model, [1, 3] + [1] * (len(CONTEXTS) - 2), seed=5)
-    assert not runs_on_stack(ids, meta)
+    assert not runs_on_stack(ids, meta, model.stack_rows)
 
     class Refuses:
         def forward(self, *args):
@@ -108,7 +108,14 @@ def test_prefill_and_padded_steps_take_the_python_path(model_dir):
     _forward(model, Refuses(), ids, positions, caches, meta)
     decode_meta = paged_layout(CONTEXTS, [1] * len(CONTEXTS), BLOCK, seed=6, pad_rows=2)
     padded_ids = torch.zeros(decode_meta.num_actual_tokens + 2, dtype=torch.long)
-    assert not runs_on_stack(padded_ids, decode_meta)
+    assert not runs_on_stack(padded_ids, decode_meta, model.stack_rows)
+    decode_meta = paged_layout(CONTEXTS, [1] * len(CONTEXTS), BLOCK, seed=6)
+    decode_ids = torch.zeros(decode_meta.num_actual_tokens, dtype=torch.long)
+    assert runs_on_stack(decode_ids, decode_meta, model.stack_rows)
+    rows = len(CONTEXTS)
+    # a row count whose ops the plans give to torch keeps the Python path
+    assert not runs_on_stack(decode_ids, decode_meta, [True] * rows + [False])
+    assert runs_on_stack(decode_ids, decode_meta, [False] * rows + [True])
 
 
 def test_not_built_where_it_does_not_apply(model_dir, tmp_path):

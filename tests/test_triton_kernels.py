@@ -25,9 +25,9 @@ pytest.importorskip("triton")
 
 from gpu.attention import triton_kernels as tk  # noqa: E402
 from gpu.attention.metadata import AttentionMetadata  # noqa: E402
+from gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
 from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention  # noqa: E402
 from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tests.paged_layout import paged_layout, random_caches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()

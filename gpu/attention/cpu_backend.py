@@ -17,6 +17,7 @@ import torch
 from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu.kernels import KERNEL_DTYPES
+from gpu.cpu.selector import KERNELS, Plan
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -24,6 +25,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+        # Which rows the kernels take (None: every row), timed on the host by gpu/cpu/op_plans:
+        # decode rows by their count, prefill chunks by the step's prefill tokens.
+        self.decode_plan: Plan | None = None
+        self.prefill_plan: Plan | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -36,7 +41,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
         own context, so rows of any lengths go together."""
         if not (_kernel_dtypes(query, key_cache, value_cache, out)
-                and self.kernels.decode_attention_supports(query.shape[-1])):
+                and self.kernels.decode_attention_supports(query.shape[-1])
+                and _chosen(self.decode_plan, len(meta.decode_requests))):
             return super()._decode(query, key_cache, value_cache, meta, scale, out)
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
@@ -47,7 +53,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
         attention keeps the half-precision chunks."""
         if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
-                and self.kernels.decode_attention_supports(query.shape[-1])):
+                and self.kernels.decode_attention_supports(query.shape[-1])
+                and _chosen(self.prefill_plan, meta.num_actual_tokens)):
             return super()._prefill(query, key_cache, value_cache, meta, scale, out)
         self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
                                        meta.seq_lens, meta.query_start_loc,
@@ -58,3 +65,7 @@ def _kernel_dtypes(*tensors: torch.Tensor) -> bool:
     """The kernels take float32, bfloat16 and float16, one dtype throughout."""
     dtype = tensors[0].dtype
     return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
+
+
+def _chosen(plan: Plan | None, rows: int) -> bool:
+    return plan is None or plan.pick(rows) == KERNELS

@@ -23,20 +23,26 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from gpu.cpu.host import cpu_flags, cpu_model
+from gpu.cpu.selector import KERNELS, Plan, mode
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name
            for name in ("kernels.cpp", "attention.cpp", "prefill_attention.cpp", "linear.cpp",
-                        "mkl_linear.cpp", "activation.cpp", "argmax.cpp", "inputs.cpp",
-                        "decoder.cpp")]
+                        "mkl_linear.cpp", "planned_linear.cpp", "activation.cpp", "argmax.cpp",
+                        "inputs.cpp", "decoder.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged.h", "parallel.h", "vec.h")]
-DISABLE_ENV = "TIDAL_NO_CPU_KERNELS"  # set to 1 to skip building the kernels (read once)
+# The instruction set to build for, as GCC's -march takes it: ``native`` (this CPU, the default)
+# or a baseline such as ``x86-64-v3`` (AVX2 and FMA), to run here the code an AVX2 host runs.
+ISA_ENV = "TIDAL_CPU_ISA"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _pool_flushed = threading.local()
@@ -73,26 +79,57 @@ def denormals_flushed() -> Iterator[None]:
         kernels.set_thread_flush(previous)
 
 
-def cpu_kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The kernels where ``x`` is a CPU tensor of a dtype they handle and they are built."""
+def cpu_kernels_for(x: torch.Tensor, plan: Plan | None = None) -> ModuleType | None:
+    """The kernels where ``x`` is a CPU tensor of a dtype they handle, they are built, and
+    the op's ``plan`` (if any) gives ``x``'s rows to them rather than to torch."""
     if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
+        return None
+    if plan is not None and plan.pick(x.shape[0] if x.dim() else 1) != KERNELS:
         return None
     return load_cpu_kernels()
 
 
-@functools.cache
+_background: Future | None = None  # a build running on a thread of its own, while torch serves
+
+
 def load_cpu_kernels() -> ModuleType | None:
-    """The compiled kernels, or ``None`` (with a warning saying why) where they can't be built."""
-    if os.environ.get(DISABLE_ENV) == "1":
+    """The compiled kernels, or ``None``: switched off, being built in the background (until
+    that build is done), or impossible to build here (with a warning saying why)."""
+    if mode() == "off" or (_background is not None and not _background.done()):
         return None
+    return _build_and_load()
+
+
+def build_in_background() -> Future:
+    """Start building the kernels on a thread of their own, if they are not built yet; until
+    the returned future is done, ``load_cpu_kernels`` answers ``None`` and callers keep torch's
+    paths. Its result is the kernels (or ``None`` where they cannot be built)."""
+    global _background
+    if _background is None:
+        _background = Future()
+        future = _background
+
+        def build() -> None:
+            try:
+                future.set_result(_build_and_load())
+            except BaseException as exc:  # never leave the future pending
+                future.set_exception(exc)
+
+        threading.Thread(target=build, name="tidal-kernel-build", daemon=True).start()
+    return _background
+
+
+@functools.cache
+def _build_and_load() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     _put_interpreter_bin_on_path()
-    name = f"tidal_cpu_kernels_{_build_key()}"
-    logger.info("loading the C++ CPU kernels (built once per machine)")
+    built = is_built()
+    logger.info("%s the C++ CPU kernels for -march=%s", "loading" if built else
+                "building (once per machine)", target_isa())
     try:
-        return load(name=name, sources=[str(path) for path in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load(name=build_name(), sources=[str(path) for path in SOURCES],
+                    extra_cflags=["-O3", f"-march={target_isa()}", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
         logger.warning("C++ CPU kernels unavailable, using plain torch: %s",
@@ -108,21 +145,26 @@ def _put_interpreter_bin_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build_key() -> str:
-    """Source and CPU features: a build made with ``-march=native`` on another machine (a
-    shared home directory) must not be loaded here."""
+def target_isa() -> str:
+    """The ``-march`` the kernels are built for (``TIDAL_CPU_ISA``, else ``native``)."""
+    return os.environ.get(ISA_ENV, "").strip() or "native"
+
+
+def build_name() -> str:
+    """The build's name: the sources, the target ISA and this CPU's model and flags, so that a
+    build made with ``-march=native`` on another machine (a shared home directory) is never
+    loaded here."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    digest.update(_cpu_flags().encode())
-    return digest.hexdigest()[:12]
+    digest.update(f"{target_isa()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}".encode())
+    return f"tidal_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def is_built() -> bool:
+    """Whether this machine has a finished build of the kernels, so loading them takes seconds
+    rather than a compile."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = build_name()
+    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()

@@ -14,6 +14,7 @@ from torch import nn
 
 from gpu.attention import AttentionBackend, AttentionMetadata
 from gpu.cpu.decode_stack import runs_on_stack
+from gpu.cpu.selector import Plan
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
 
@@ -57,9 +58,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_plan: Plan | None = None  # which rows the CPU activation kernel takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.act_plan))
 
 
 class DecoderLayer(nn.Module):
@@ -99,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.decode_stack: Any = None  # gpu.cpu.decode_stack's one-call decode step, once built
+        self.stack_rows: list[bool] = []  # whether a decode step of so many rows takes it
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again
@@ -118,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
-        if self.decode_stack is not None and runs_on_stack(input_ids, meta):
+        if self.decode_stack is not None and runs_on_stack(input_ids, meta, self.stack_rows):
             requests, rows = meta.decode_rows_cpu
             caches = [cache for pair in kv_caches for cache in pair]
             return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,

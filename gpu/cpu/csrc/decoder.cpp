@@ -1,14 +1,11 @@
 // A Llama-family decoder's decode step (one new token per request) in one call, for float32
 // and bfloat16 models on the CPU. It calls the kernels the Python model calls, in the same
-// order, so its hidden states are bitwise the same. What it removes is the interpreter between
-// the kernels: at batch 1 on a 30M float32 model that was a quarter of the forward (4.7 ms,
-// 3.5 ms of it kernels), at batch 32 a seventh (12.8 ms, 10.9). And it holds no GIL from start
-// to end, so a server's event loop runs its Python while the step computes instead of between
-// the step's kernels.
+// order and by the same plans (its linears are the model's PlannedLinears), so its hidden
+// states are bitwise the same. What it removes is the interpreter between the kernels, a good
+// part of a small model's step, and it holds no GIL from start to end, so a server's event
+// loop runs its Python while the step computes instead of between the step's kernels.
 
 #include <torch/extension.h>
-
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <string>
 #include <tuple>
@@ -18,43 +15,9 @@
 
 namespace {
 
-// A linear layer as the Python side hands it over: (packed weight, out_features, bias or None,
-// MKL's pack or None, whether the weight is packed for oneDNN rather than tidal's GEMM).
-using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
-                              c10::optional<torch::Tensor>, bool>;
-
-// torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], ""), the call
-// PackedLinear makes for a weight packed for oneDNN (bfloat16: AMX where the CPU has it).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                            const c10::optional<torch::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  c10::List<c10::optional<c10::Scalar>> scalars;
-  scalars.push_back(c10::nullopt);
-  torch::jit::Stack stack{x, weight, bias, std::string("none"), scalars, std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-struct Linear {
-  torch::Tensor weight;
-  int64_t out_features;
-  c10::optional<torch::Tensor> bias, mkl_packed;
-  bool onednn;
-
-  explicit Linear(const LinearSpec& spec)
-      : weight(std::get<0>(spec)), out_features(std::get<1>(spec)), bias(std::get<2>(spec)),
-        mkl_packed(std::get<3>(spec)), onednn(std::get<4>(spec)) {}
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    if (onednn) return onednn_linear(x, weight, bias);
-    return packed_linear(x, weight, out_features, bias, mkl_packed);
-  }
-};
-
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Linear qkv, o, gate_up, down;
+  PlannedLinear qkv, o, gate_up, down;
 };
 
 }  // namespace
@@ -68,10 +31,10 @@ class DecodeStack {
         num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         scale_(scale) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv,
-                 const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down) {
-    layers_.push_back(Layer{input_norm, post_norm, Linear(qkv), Linear(o), Linear(gate_up),
-                            Linear(down)});
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const PlannedLinear& qkv,
+                 const PlannedLinear& o, const PlannedLinear& gate_up,
+                 const PlannedLinear& down) {
+    layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down});
   }
 
   // Final normalised hidden states [tokens, hidden] of a step whose every request has one

@@ -270,12 +270,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SiLU(gate) * up of a fused [..., 2n] gate_up projection");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 W [N, K] -> GEMM panels");
   m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>(),
-        "y = x W^T + b over packed panels, or MKL's pack for many rows (float32)",
-        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias"),
-        py::arg("mkl_packed") = py::none());
+        "y = x W^T + b over packed panels (float32)");
+  m.def("linear_panel_width", &linear_panel_width, "columns per panel of pack_linear_weight");
   m.def("mkl_pack_linear_weight", &mkl_pack_linear_weight,
         "float32 W [N, K] -> MKL's packed W^T, or None without MKL");
+  m.def("mkl_linear", &mkl_linear, py::call_guard<py::gil_scoped_release>(),
+        "y = x W^T + b over MKL's packed W^T (float32)");
   m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
         "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
+  bind_planned_linear(m);
   bind_decode_stack(m);
 }

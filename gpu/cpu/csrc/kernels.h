@@ -25,21 +25,42 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
 // linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 
-// linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels,
-// or from mkl_pack_linear_weight's copy of the same W (when given; the pack carries no shape
-// to check against x) for a step of many rows.
+// linear.cpp: y = x W^T + b for x [rows, in_features], from pack_linear_weight's panels.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                            c10::optional<torch::Tensor> bias,
-                            c10::optional<torch::Tensor> mkl_packed);
+                            c10::optional<torch::Tensor> bias);
+
+// linear.cpp: the columns in one panel of pack_linear_weight's layout (it depends on the ISA
+// the kernels were built for).
+int64_t linear_panel_width();
 
 // mkl_linear.cpp: W [out_features, in_features] float32 -> MKL's packed form of W^T, or
 // None where torch has no MKL.
 c10::optional<torch::Tensor> mkl_pack_linear_weight(torch::Tensor weight);
 
-// mkl_linear.cpp: y = x W^T (+ bias, out_features floats) by MKL over its packed W^T;
-// x's rows are contiguous (packed_linear checks x).
-torch::Tensor mkl_packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                int64_t out_features, const float* bias);
+// mkl_linear.cpp: y = x W^T + b by MKL over its packed W^T (the pack carries no shape to check
+// against x).
+torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                         c10::optional<torch::Tensor> bias);
+
+// planned_linear.cpp: a linear layer whose plan names, for each row count, which packed copy
+// of its weight runs it. Methods: 0 tidal's panels, 1 MKL's pack, 2 oneDNN's pack, 3 torch's
+// at::linear over the plain weight [out_features, in_features].
+enum LinearMethod : int64_t { kPanels = 0, kMkl = 1, kOneDnn = 2, kTorch = 3 };
+
+struct PlannedLinear {
+  int64_t out_features;
+  c10::optional<torch::Tensor> bias, panels, mkl_packed, onednn_packed, plain;
+  std::vector<int64_t> by_rows;  // the method for 0, 1, 2, ... rows; the last for more
+
+  PlannedLinear(int64_t out_features, c10::optional<torch::Tensor> bias,
+                c10::optional<torch::Tensor> panels, c10::optional<torch::Tensor> mkl_packed,
+                c10::optional<torch::Tensor> onednn_packed, c10::optional<torch::Tensor> plain,
+                std::vector<int64_t> by_rows);
+  int64_t method(int64_t rows) const;
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+void bind_planned_linear(py::module& m);
 
 // attention.cpp: whether decode_attention takes this head_dim.
 bool decode_attention_supports(int64_t head_dim);

@@ -5,19 +5,20 @@
 // memory. oneDNN and MKL compute a weight's product only once its bytes have arrived, so memory
 // and arithmetic take turns. Here each panel is one sequential stream, and while the
 // microkernel works through one panel it prefetches the next into L2, a slice per block of rows,
-// so the next bytes arrive while these are multiplied. A 30M Llama's 33 weights, on a 2-core
-// AVX-512 host (ms a pass, oneDNN-packed against these panels): 4.6 vs 2.8 at 1 row, 5.4 vs 3.3
-// at 8, 10.5 vs 7.0 at 32, 15.5 vs 11.8 at 64; even at 128; 10-15 % behind from 512 rows up
-// (prefill chunks), where a single packed copy of the weights is worth that.
+// so the next bytes arrive while these are multiplied.
 //
-// Layout: W [N, K] becomes panels [ceil(N / 32), K, 32]; panel p holds columns 32p..32p+31 of
-// W^T, row k contiguous (zero columns pad the last panel). The microkernel keeps an MR x 32
-// block of y (MR <= 8) in 16 vector registers and, for each k, adds x[m, k] times the panel's
-// row k. Rows of x are taken 128 at a time so that chunk stays in cache across the panels; the
+// Layout: W [N, K] becomes panels [ceil(N / P), K, P]; panel p holds columns Pp..Pp+P-1 of
+// W^T, row k contiguous (zero columns pad the last panel). The microkernel keeps an MR x P block
+// of y in vector registers and, for each k, adds x[m, k] times the panel's row k. P and MR fit
+// the registers of the ISA the file is built for: with AVX-512's 32 registers of 16 floats,
+// P = 32 and MR = 8 (16 accumulators); with AVX2's 16 registers of 8 floats (and elsewhere),
+// P = 16 and MR = 6 (12 accumulator registers, 2 for the panel's row, 1 for x's broadcast).
+// Tiles sized for AVX-512 spilled to the stack on AVX2 and ran many times slower than torch.
+// Rows of x are taken 128 at a time so that chunk stays in cache across the panels; the
 // panels of a chunk are split over torch's threads by tidal::parallel_items (a thread that
-// finishes its run of panels takes the last ones of a thread held up). At 32 rows that made a
-// pass over a 30M Llama's weights 6.5 ms against 7.1, and 7.7 against 8.9 beside a process
-// busy 50 us in every 500. Sums run in k order in float32 (FMA).
+// finishes its run of panels takes the last ones of a thread held up). Sums run in k order in
+// float32 (FMA). Whether this GEMM, MKL's, oneDNN's or torch's runs for a given row count is
+// decided by timing them on the host (gpu/cpu/selector.py).
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
@@ -26,16 +27,21 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <utility>
 
 namespace {
 
-constexpr int64_t kPanel = 32;     // columns per panel: two vectors of 16 floats
-constexpr int64_t kRowBlock = 8;   // rows of y the microkernel holds in registers
-constexpr int64_t kRowChunk = 128; // rows of x kept in cache while every panel passes
-// From this many rows MKL's packed GEMM (mkl_linear.cpp) outruns the panels, where a
-// layer has its pack: 10 % at 128 rows over a 30M Llama's weights, even at 96.
-constexpr int64_t kMklMinRows = 128;
+#if defined(__AVX512F__)
+constexpr int64_t kPanel = 32;    // columns per panel: two vectors of 16 floats
+constexpr int64_t kRowBlock = 8;  // rows of y the microkernel holds in registers
+#else
+constexpr int64_t kPanel = 16;    // one vector of 16 floats (two AVX2 registers)
+constexpr int64_t kRowBlock = 6;
+#endif
+constexpr int kVecs = static_cast<int>(kPanel / tidal::kLanes);
+constexpr int64_t kRowChunk = 128;  // rows of x kept in cache while every panel passes
 
 using tidal::load;
 using tidal::store;
@@ -51,11 +57,13 @@ struct Prefetch {
 template <int MR>
 void microkernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
                  int64_t ldy, int64_t cols, const float* bias, Prefetch pf) {
-  vec16 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = vec16{};
+  vec16 acc[MR][kVecs];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = vec16{};
   int64_t countdown = pf.every;
   for (int64_t k = 0; k < K; ++k) {
-    const vec16 b_lo = load(panel + k * kPanel), b_hi = load(panel + k * kPanel + 16);
+    vec16 b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = load(panel + k * kPanel + v * tidal::kLanes);
     if (--countdown == 0) {
       countdown = pf.every;
       __builtin_prefetch(pf.next, 0, 2);
@@ -65,25 +73,27 @@ void microkernel(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const float a = x[m * ldx + k];
-      lo[m] += a * b_lo;
-      hi[m] += a * b_hi;
+      for (int v = 0; v < kVecs; ++v) acc[m][v] += a * b[v];
     }
   }
-  alignas(64) float b[kPanel] = {};
-  if (bias != nullptr) std::memcpy(b, bias, cols * sizeof(float));
+  alignas(64) float bias_row[kPanel] = {};
+  if (bias != nullptr) std::memcpy(bias_row, bias, cols * sizeof(float));
   for (int m = 0; m < MR; ++m) {
     alignas(64) float row[kPanel];
-    store(row, lo[m] + load(b));
-    store(row + 16, hi[m] + load(b + 16));
+    for (int v = 0; v < kVecs; ++v)
+      store(row + v * tidal::kLanes, acc[m][v] + load(bias_row + v * tidal::kLanes));
     std::memcpy(y + m * ldy, row, cols * sizeof(float));
   }
 }
 
 using Microkernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                              int64_t, const float*, Prefetch);
-constexpr Microkernel kMicrokernels[kRowBlock + 1] = {
-    nullptr, microkernel<1>, microkernel<2>, microkernel<3>, microkernel<4>,
-    microkernel<5>, microkernel<6>, microkernel<7>, microkernel<8>};
+template <int... MR>
+constexpr std::array<Microkernel, sizeof...(MR) + 1> microkernels(
+    std::integer_sequence<int, MR...>) {
+  return {nullptr, microkernel<MR + 1>...};
+}
+constexpr auto kMicrokernels = microkernels(std::make_integer_sequence<int, static_cast<int>(kRowBlock)>{});
 
 // Rows [m0, m0 + rows) of y, over panel p.
 void multiply_panel(const float* x, int64_t ldx, const float* panels, int64_t K, int64_t N,
@@ -119,8 +129,7 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                            c10::optional<torch::Tensor> bias,
-                            c10::optional<torch::Tensor> mkl_packed) {
+                            c10::optional<torch::Tensor> bias) {
   // A row of one feature is contiguous whatever its stride (a transposed column has one > 1).
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
                   (x.stride(1) == 1 || x.size(1) == 1),
@@ -139,7 +148,6 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
                 "bias must be a contiguous float32 CPU tensor of out_features");
     b = bias->data_ptr<float>();
   }
-  if (mkl_packed.has_value() && M >= kMklMinRows) return mkl_packed_linear(x, *mkl_packed, N, b);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* w = panels.data_ptr<float>();
@@ -153,3 +161,5 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
   }
   return y;
 }
+
+int64_t linear_panel_width() { return kPanel; }

@@ -1,12 +1,8 @@
 // MKL's packed-weight GEMM (cblas_sgemm_pack / cblas_sgemm_compute) for the float32 linear
 // layers, where torch was built with MKL: x86-64 wheels export these from libtorch_cpu.
 //
-// The panel GEMM of linear.cpp overlaps each weight's trip from memory with the
-// arithmetic, which wins while a step has few rows. From about a hundred rows the multiply
-// itself dominates, and there MKL's kernel is faster: a 30M Llama's 33 weights, on a 2-core
-// AVX-512 host (ms a pass, panels against MKL's packed weights): 17.5 vs 17.9 at 96 rows, 24.1
-// vs 21.6 at 128, 34.3 vs 31.8 at 192, 45.4 vs 41.8 at 256; at 32 rows 6.9 vs 9.1. MKL's plain
-// sgemm re-packs the weight on every call; its packed form is made once at load time.
+// MKL's plain sgemm re-packs the weight on every call; its packed form is made once at load
+// time. Which rows counts it runs is decided by timing it on the host (gpu/cpu/selector.py).
 //
 // The symbols are weak: a torch without MKL leaves them null, and mkl_pack_linear_weight
 // answers None, so the callers keep the panels alone.
@@ -59,15 +55,24 @@ c10::optional<torch::Tensor> mkl_pack_linear_weight(torch::Tensor weight) {
   return packed;
 }
 
-torch::Tensor mkl_packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                int64_t out_features, const float* bias) {
+torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                         c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(have_mkl(), "MKL's packed GEMM is not in this torch build");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
+                  (x.stride(1) == 1 || x.size(1) == 1),
+              "x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() &&
+                  packed.scalar_type() == torch::kFloat32,
+              "packed must come from mkl_pack_linear_weight");
   const int M = checked_int(x.size(0), "rows"), K = checked_int(x.size(1), "in_features");
   const int N = checked_int(out_features, "out_features");
   auto y = torch::empty({M, N}, x.options());
   float beta = 0.f;
-  if (bias != nullptr) {  // y = bias, then y += x W^T: the order torch's addmm rounds in
-    y.copy_(torch::from_blob(const_cast<float*>(bias), {1, N}, x.options()).expand({M, N}));
+  if (bias.has_value()) {  // y = bias, then y += x W^T: the order torch's addmm rounds in
+    TORCH_CHECK(bias->device().is_cpu() && bias->numel() == N &&
+                    bias->scalar_type() == torch::kFloat32,
+                "bias must be a float32 CPU tensor of out_features");
+    y.copy_(bias->reshape({1, N}).expand({M, N}));
     beta = 1.f;
   }
   // MKL wants rows at least a row apart (an expanded x repeats one row at stride 0).

@@ -1,4 +1,5 @@
-"""Random paged KV layouts for attention tests: requests over shuffled physical blocks."""
+"""Synthetic paged KV layouts: requests over shuffled physical blocks, for the kernel selector's
+timings, the attention tests and benchmarks."""
 
 from __future__ import annotations
 

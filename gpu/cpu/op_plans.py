@@ -1,0 +1,182 @@
+"""Plans for a model's CPU ops: which of tidal's kernels and torch's own paths runs each op at
+each row count, timed on this host with random inputs of the model's shapes (``selector.py``),
+set on the modules that run them, and logged as a table at start.
+
+Ops and their row counts: the linears (``packed_linear.py``) and the norms, activation and
+rotary embeddings by the step's tokens; decode attention by its decode rows (at a context of
+``DECODE_CONTEXT`` positions); prefill attention by a chunk's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpu.attention.cpu_backend import CpuAttentionBackend
+from gpu.attention.paged_layout import paged_layout, random_caches
+from gpu.attention.torch_ref import TorchAttentionBackend
+from gpu.cpu import selector
+from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from gpu.cpu.packed_linear import PackedLinear, pack_linear_layers
+from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
+from gpu.layers import RMSNorm, silu_and_mul
+
+logger = logging.getLogger(__name__)
+
+DECODE_CONTEXT = 256  # positions each decode row attends over while timed
+BLOCK_SIZE = 16
+
+Candidates = Callable[[int], dict[str, Callable[[], object]]]
+
+
+@dataclass
+class ModelPlans:
+    """A model's plans by name (``linear|NxK|...``, ``rms_norm``, ...), and where they came from."""
+
+    plans: dict[str, Plan]
+    measured: int  # how many were timed now rather than read from the cache
+    seconds: float
+
+    def table(self) -> str:
+        width = max(len(name) for name in self.plans)
+        return "\n".join(f"  {name:{width}s}  {plan.describe()}"
+                         for name, plan in sorted(self.plans.items()))
+
+
+def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
+               cache: PlanCache | None = None) -> ModelPlans:
+    """Pack the model's linears and set every op's plan on its modules (``auto``: timed, or
+    read from this host's cache; ``force``/``off``: no timing, the kernels where built)."""
+    start = time.perf_counter()
+    auto = selector.mode() == "auto"
+    cache = cache if cache is not None else (PlanCache() if auto else None)
+    linears = pack_linear_layers(model, max_rows, cache if auto else None)
+    plans = {f"linear {m.out_features}x{m.in_features}": m.plan for m in linears}
+    kernels = load_cpu_kernels()
+    dtype = model.embed_tokens.weight.dtype
+    if auto and kernels is not None and cache is not None:
+        with denormals_flushed():
+            plans.update(_plan_ops(model, dtype, max_rows, max_seqs, cache))
+        cache.save()
+    measured = len(cache.measured) if cache is not None else 0
+    return ModelPlans(plans, measured, time.perf_counter() - start)
+
+
+def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int,
+              cache: PlanCache) -> dict[str, Plan]:
+    cfg = model.config
+    rows, seqs = selector.row_buckets(max_rows), selector.row_buckets(max_seqs)
+    tag = str(dtype).removeprefix("torch.")
+    heads = f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
+    attn = model.layers[0].self_attn
+    plans = {
+        "rms_norm": cache.get_or_choose(f"rms_norm|{cfg.hidden_size}|{tag}", rows,
+                                        _norm_candidates(cfg.hidden_size, dtype)),
+        "silu_and_mul": cache.get_or_choose(f"silu_and_mul|{cfg.intermediate_size}|{tag}",
+                                            rows, _act_candidates(cfg.intermediate_size, dtype)),
+        "rotary": cache.get_or_choose(f"rotary|{heads}|{tag}", rows,
+                                      _rotary_candidates(attn.rotary, cfg, dtype)),
+    }
+    if isinstance(attn.backend, CpuAttentionBackend):
+        plans["decode_attention"] = cache.get_or_choose(
+            f"decode_attention|{heads}|{tag}|ctx{DECODE_CONTEXT}", seqs,
+            _attention_candidates(attn.backend, cfg, dtype, decode=True))
+        plans["prefill_attention"] = cache.get_or_choose(
+            f"prefill_attention|{heads}|{tag}", rows,
+            _attention_candidates(attn.backend, cfg, dtype, decode=False))
+        attn.backend.decode_plan = plans["decode_attention"]
+        attn.backend.prefill_plan = plans["prefill_attention"]
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.plan = plans["rms_norm"]
+    for layer in model.layers:
+        layer.mlp.act_plan = plans["silu_and_mul"]
+        layer.self_attn.rotary.plan = plans["rotary"]
+    return plans
+
+
+def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
+    """For 0, 1, ... ``max_seqs`` rows: whether every op of a decode step gives them to the
+    kernels, as the one-call decode step runs nothing else (its linears follow their plans)."""
+    attn = model.layers[0].self_attn
+    plans = [model.norm.plan, model.layers[0].mlp.act_plan, attn.rotary.plan,
+             getattr(attn.backend, "decode_plan", None)]
+    return [all(p is None or p.pick(r) == KERNELS for p in plans) for r in range(max_seqs + 1)]
+
+
+def _forced(choice: str) -> Plan:
+    return Plan.always(choice)
+
+
+def _norm_candidates(hidden: int, dtype: torch.dtype) -> Candidates:
+    norms = {name: RMSNorm(hidden, 1e-6).to(dtype) for name in (KERNELS, TORCH)}
+    for name, norm in norms.items():
+        norm.plan = _forced(name)
+
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        x, delta = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+        return {name: (lambda n=norm: n.add_and_norm(x, delta)) for name, norm in norms.items()}
+
+    return candidates
+
+
+def _act_candidates(intermediate: int, dtype: torch.dtype) -> Candidates:
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        gate_up = torch.randn(rows, 2 * intermediate).to(dtype)
+        return {name: (lambda n=name: silu_and_mul(gate_up, _forced(n)))
+                for name in (KERNELS, TORCH)}
+
+    return candidates
+
+
+def _rotary_candidates(rotary: nn.Module, cfg, dtype: torch.dtype) -> Candidates:
+    saved = rotary.plan
+
+    def run(name: str, positions, q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary.plan = _forced(name)
+        try:
+            return rotary(positions, q.clone(), k.clone())
+        finally:
+            rotary.plan = saved
+
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        positions = torch.arange(rows) % rotary.cos.shape[0]
+        q = torch.randn(rows, cfg.num_heads, cfg.head_dim).to(dtype)
+        k = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+        return {name: (lambda n=name: run(n, positions, q, k)) for name in (KERNELS, TORCH)}
+
+    return candidates
+
+
+def _attention_candidates(backend: CpuAttentionBackend, cfg, dtype: torch.dtype,
+                          decode: bool) -> Candidates:
+    ours = CpuAttentionBackend(backend.kernels)
+    ours.decode_plan = ours.prefill_plan = _forced(KERNELS)
+    backends = {KERNELS: ours, TORCH: TorchAttentionBackend()}
+
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        if decode:
+            meta = paged_layout([DECODE_CONTEXT - 1] * rows, [1] * rows, BLOCK_SIZE, seed=rows)
+        else:
+            meta = paged_layout([0], [rows], BLOCK_SIZE, seed=rows)
+        keys, values = random_caches(meta, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)
+        query = torch.randn(meta.num_actual_tokens, cfg.num_heads, cfg.head_dim).to(dtype)
+        scale = cfg.head_dim ** -0.5
+        return {name: (lambda b=b: b.forward(query, keys, values, meta, scale))
+                for name, b in backends.items()}
+
+    return candidates
+
+
+def log_plans(result: ModelPlans) -> None:
+    how = (f"timed {result.measured} in {result.seconds:.1f} s" if result.measured
+           else "from this host's cache" if selector.mode() == "auto" else selector.mode())
+    logger.info("CPU ops (%s mode, %s):\n%s", selector.mode(), how, result.table())
+
+
+__all__ = ["ModelPlans", "PackedLinear", "log_plans", "plan_model", "stack_rows"]

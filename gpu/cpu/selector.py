@@ -1,0 +1,236 @@
+"""Which implementation runs each CPU op, chosen by timing every candidate on this host.
+
+A kernel that wins on one CPU can lose many times over on another (a GEMM tiled for AVX-512's
+32 vector registers spills on AVX2's 16), so nothing here assumes a winner. For each op and
+shape the model will run, and for each row count the scheduler can produce (decode batches
+and prefill chunks, in power-of-two buckets), every candidate is timed with random inputs of
+that shape: tidal's kernels, oneDNN's and MKL's packed GEMMs, and torch's own ops, which are
+always among them. The fastest per bucket makes a ``Plan``. Plans are cached on disk per
+machine, keyed by the CPU's model and flags, torch's version, the kernels' build and the
+thread count, so later starts skip the timing.
+
+``TIDAL_CPU_KERNELS`` (or ``--cpu-kernels``): ``auto`` (measure, the default), ``force``
+(tidal's kernels wherever they apply, no timing) or ``off`` (no kernels of tidal's are built;
+linears still choose between torch's own oneDNN and plain paths).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpu.cpu.host import cpu_flags, cpu_model
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "TIDAL_CPU_KERNELS"
+MODES = ("auto", "force", "off")
+CACHE_ENV = "TIDAL_CACHE_DIR"  # where plans are kept (default ~/.cache/tidal)
+TORCH = "torch"  # the name of torch's own path among an op's candidates
+KERNELS = "tidal"  # the name of tidal's compiled kernel, for ops other than the linears
+# Each candidate is called until it has run this long in a bucket (and at least MIN_CALLS
+# times, at most MAX_CALLS); its best call counts, as a co-tenant can slow any one call.
+TARGET_MS_PER_CANDIDATE = 15.0
+MIN_CALLS, MAX_CALLS = 3, 25
+
+# (candidate's name, its call, how many calls) -> the best call's ms. Tests give their own.
+Timer = Callable[[str, Callable[[], object], int], float]
+
+
+_mode: str | None = None  # set_mode's choice, over the environment's
+
+
+def set_mode(value: str | None) -> None:
+    """Choose the mode for this process (``None``: the environment's again)."""
+    global _mode
+    if value is not None and value not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}; got {value!r}")
+    _mode = value
+
+
+def mode() -> str:
+    """``auto``, ``force`` or ``off``: ``set_mode``'s, else ``TIDAL_CPU_KERNELS``'s
+    (``TIDAL_NO_CPU_KERNELS=1`` is ``off`` too), else ``auto``."""
+    if _mode is not None:
+        return _mode
+    if os.environ.get("TIDAL_NO_CPU_KERNELS") == "1":  # the older switch
+        return "off"
+    value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}; got {value!r}")
+    return value
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Powers of two up to ``max_rows``, and ``max_rows`` itself: the row counts timed."""
+    buckets = [1]
+    while buckets[-1] * 2 < max_rows:
+        buckets.append(buckets[-1] * 2)
+    if max_rows > buckets[-1]:
+        buckets.append(max_rows)
+    return buckets
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which candidate runs an op: ``choices[i]`` for row counts up to ``bounds[i]``, the
+    last choice past the last bound. ``timings`` (ms, per bound and candidate) say why."""
+
+    bounds: tuple[int, ...]
+    choices: tuple[str, ...]
+    timings: tuple[dict[str, float], ...] = ()
+    _table: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        table: list[str] = []
+        for bound, choice in zip(self.bounds, self.choices):
+            table += [choice] * (bound + 1 - len(table))
+        object.__setattr__(self, "_table", tuple(table))
+
+    @classmethod
+    def always(cls, choice: str) -> Plan:
+        return cls((1,), (choice,))
+
+    def pick(self, rows: int) -> str:
+        table = self._table
+        return table[rows] if rows < len(table) else table[-1]
+
+    def by_rows(self) -> list[str]:
+        """The choice for 0, 1, ... rows up to the last bound (then the last holds)."""
+        return list(self._table)
+
+    def used(self) -> set[str]:
+        return set(self.choices)
+
+    def describe(self) -> str:
+        """e.g. ``onednn 1-8 rows, panels 9-64, mkl 65+``."""
+        spans, start = [], 1
+        for i, choice in enumerate(self.choices):
+            last = i == len(self.choices) - 1
+            if not last and self.choices[i + 1] == choice:
+                continue
+            end = "+" if last else f"-{self.bounds[i]}"
+            spans.append(f"{choice} {start}{end}" if end != f"-{start}" else f"{choice} {start}")
+            start = self.bounds[i] + 1
+        return ", ".join(spans) + " rows"
+
+    def single(self) -> str:
+        """The one candidate that loses least over every bucket (sum of time over the best),
+        for where only one layout of a weight can be kept."""
+        if not self.timings:
+            return self.choices[-1]
+        names = set.intersection(*(set(t) for t in self.timings))
+        return min(sorted(names), key=lambda n: sum(t[n] / min(t.values())
+                                                    for t in self.timings))
+
+    def to_json(self) -> dict:
+        return {"bounds": list(self.bounds), "choices": list(self.choices),
+                "timings": list(self.timings)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        return cls(tuple(data["bounds"]), tuple(data["choices"]),
+                   tuple(data.get("timings", ())))
+
+
+def best_ms(fn: Callable[[], object], calls: int) -> float:
+    """The fastest of ``calls`` calls, in ms."""
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def host_timer(name: str, fn: Callable[[], object], calls: int) -> float:
+    return best_ms(fn, calls)
+
+
+def time_candidates(fns: dict[str, Callable[[], object]], timer: Timer = host_timer
+                    ) -> dict[str, float]:
+    """Each candidate's best time, ms. Candidates are called in turns, a few calls each, so a
+    burst of load on the host falls on all of them rather than on one."""
+    first = {name: timer(name, fn, 1) for name, fn in fns.items()}  # warms caches and packs too
+    slowest = max(max(first.values()), 1e-3)
+    calls = int(min(MAX_CALLS, max(MIN_CALLS, TARGET_MS_PER_CANDIDATE / slowest)))
+    best = dict(first)
+    for _ in range(max(1, calls // MIN_CALLS)):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timer(name, fn, MIN_CALLS))
+    return best
+
+
+def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callable[[], object]]],
+           timer: Timer = host_timer) -> Plan:
+    """Time ``candidates(rows)`` at every bucket and keep the fastest of each. Adjacent buckets
+    that pick the same candidate merge into one span."""
+    bounds, choices, timings = [], [], []
+    for rows in buckets:
+        times = time_candidates(candidates(rows), timer)
+        winner = min(times, key=times.__getitem__)
+        bounds.append(rows)
+        choices.append(winner)
+        timings.append({name: round(ms, 4) for name, ms in times.items()})
+    return Plan(tuple(bounds), tuple(choices), tuple(timings))
+
+
+def host_key() -> dict[str, str]:
+    """What makes a plan valid: this CPU, torch's build, the kernels' build, the threads."""
+    from gpu.cpu.kernels import build_name
+
+    return {"cpu": cpu_model(), "flags": " ".join(sorted(cpu_flags())),
+            "torch": torch.__version__, "kernels": build_name() if mode() != "off" else "off",
+            "threads": str(torch.get_num_threads())}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tidal")
+
+
+class PlanCache:
+    """Plans by key (op and shape), in one JSON file per host key."""
+
+    def __init__(self, directory: Path | None = None, key: dict[str, str] | None = None,
+                 timer: Timer = host_timer) -> None:
+        self.key = key if key is not None else host_key()
+        self.timer = timer
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = (directory or cache_dir()) / f"cpu_plans-{digest}.json"
+        self.plans: dict[str, Plan] = {}
+        self.measured: list[str] = []  # keys timed in this process, not read from the file
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("host") == self.key:  # a file from another host is never read
+                self.plans = {k: Plan.from_json(v) for k, v in data["plans"].items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def get_or_choose(self, key: str, buckets: list[int],
+                      candidates: Callable[[int], dict[str, Callable[[], object]]]) -> Plan:
+        plan = self.plans.get(key)
+        if plan is None or list(plan.bounds) != buckets:
+            plan = choose(buckets, candidates, self.timer)
+            self.plans[key] = plan
+            self.measured.append(key)
+        return plan
+
+    def save(self) -> None:
+        if not self.measured:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"host": self.key, "plans": {
+                k: p.to_json() for k, p in sorted(self.plans.items())}}, indent=1))
+            tmp.replace(self.path)
+        except OSError as exc:
+            logger.warning("could not save the CPU kernel plans to %s: %s", self.path, exc)

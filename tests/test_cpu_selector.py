@@ -1,0 +1,178 @@
+"""The CPU op selector: it keeps the fastest candidate per row bucket from the timings it is
+given, caches its plans per host (never reusing another CPU's or torch's), sets them on the
+model, and every candidate it can choose gives the torch reference's results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.attention import get_attention_backend
+from gpu.cpu import op_plans, selector
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache, choose, row_buckets
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+
+
+def fake_timer(costs: dict[str, float]):
+    """A timer whose every call of a candidate takes ``costs[name]`` ms."""
+    return lambda name, fn, calls: costs[name]
+
+
+def named(rows: int, names: list[str]) -> dict:
+    return {name: (lambda n=name: n) for name in names}
+
+
+def test_row_buckets_are_powers_of_two_up_to_the_most_rows() -> None:
+    assert row_buckets(1) == [1]
+    assert row_buckets(192) == [1, 2, 4, 8, 16, 32, 64, 128, 192]
+    assert row_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_choose_keeps_the_fastest_candidate_of_each_bucket() -> None:
+    by_rows = {1: {"a": 1.0, "b": 2.0, "torch": 3.0}, 2: {"a": 1.0, "b": 0.5, "torch": 3.0},
+               4: {"a": 9.0, "b": 8.0, "torch": 2.0}}
+    now: dict[str, float] = {}
+
+    def candidates(rows: int) -> dict:
+        now.clear()
+        now.update(by_rows[rows])
+        return named(rows, list(now))
+
+    plan = choose([1, 2, 4], candidates, timer=lambda name, fn, calls: now[name])
+    assert plan.choices == ("a", "b", "torch")
+    assert [plan.pick(r) for r in range(1, 9)] == ["a", "b", "torch", "torch", "torch", "torch",
+                                                   "torch", "torch"]
+    assert plan.timings[2]["torch"] == 2.0
+    assert plan.describe() == "a 1, b 2, torch 3+ rows"
+
+
+def test_plan_describes_merged_spans() -> None:
+    plan = Plan((8, 16, 64, 128), ("onednn", "panels", "panels", "mkl"))
+    assert plan.describe() == "onednn 1-8, panels 9-64, mkl 65+ rows"
+    assert plan.used() == {"onednn", "panels", "mkl"}
+    assert Plan.always("torch").pick(10_000) == "torch"
+
+
+def test_plans_are_cached_per_host_and_never_reused_on_another(tmp_path: Path) -> None:
+    key = {"cpu": "CPU A", "flags": "avx2 fma", "torch": "2.13.0", "kernels": "k1",
+           "threads": "2"}
+    calls = []
+
+    def candidates(rows: int) -> dict:
+        calls.append(rows)
+        return named(rows, ["tidal", "torch"])
+
+    timer = fake_timer({"tidal": 1.0, "torch": 2.0})
+    first = PlanCache(tmp_path, key, timer)
+    plan = first.get_or_choose("op|x", [1, 2], candidates)
+    first.save()
+    assert plan.choices == ("tidal", "tidal") and calls == [1, 2]
+    again = PlanCache(tmp_path, dict(key), timer)
+    assert again.get_or_choose("op|x", [1, 2], candidates) == plan and calls == [1, 2]
+    assert again.measured == []
+    for field, other in (("cpu", "CPU B"), ("flags", "avx2 fma avx512f"), ("torch", "2.14.0"),
+                         ("kernels", "k2"), ("threads", "4")):
+        elsewhere = PlanCache(tmp_path, {**key, field: other}, timer)
+        assert elsewhere.plans == {}, field
+    # A file whose recorded host differs is not read, even under the same name.
+    path = first.path
+    data = json.loads(path.read_text())
+    data["host"]["cpu"] = "CPU C"
+    path.write_text(json.dumps(data))
+    assert PlanCache(tmp_path, key, timer).plans == {}
+    # Other buckets (another --max-num-batched-tokens) are timed anew.
+    calls.clear()
+    again.get_or_choose("op|x", [1, 2, 4], candidates)
+    assert calls == [1, 2, 4]
+
+
+def test_mode_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIDAL_NO_CPU_KERNELS", raising=False)
+    for value in ("auto", "force", "off"):
+        monkeypatch.setenv(selector.MODE_ENV, value)
+        assert selector.mode() == value
+    monkeypatch.setenv(selector.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="TIDAL_CPU_KERNELS"):
+        selector.mode()
+    monkeypatch.setenv(selector.MODE_ENV, "auto")
+    monkeypatch.setenv("TIDAL_NO_CPU_KERNELS", "1")
+    assert selector.mode() == "off"
+
+
+def _model(tmp_path: Path):
+    from gpu.model_config import ModelConfig
+    from gpu.model_loader import load_model
+    from gpu.random_model import build_model_dir
+
+    path = build_model_dir(tmp_path / "m", hidden_size=128)  # head_dim 32, the kernels' size
+    cfg = ModelConfig.from_dir(path)
+    return path, cfg, lambda cache=None: load_model(
+        path, cfg, get_attention_backend("cpu", "cpu"), 256, torch.float32, "cpu", max_rows=64,
+        max_seqs=8, plan_cache=cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("winner", [KERNELS, TORCH])
+def test_plans_reach_the_model_and_its_outputs_stay_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, winner: str) -> None:
+    """With timings that make one side win everywhere, every module runs that side (the decode
+    stack only where the kernels win), and the logits match torch's reference path."""
+    monkeypatch.setenv(selector.MODE_ENV, "auto")
+
+    def timer(name: str, fn, calls: int) -> float:
+        if winner == KERNELS:  # tidal's kernels, and for linears its panel GEMM
+            return 1.0 if name in (KERNELS, "panels") else 5.0
+        return 1.0 if name == TORCH else 5.0
+
+    _, cfg, load = _model(tmp_path)
+    model = load(PlanCache(tmp_path / "cache", timer=timer))
+    norm, attn = model.norm, model.layers[0].self_attn
+    assert norm.plan.used() == {winner} and attn.rotary.plan.used() == {winner}
+    assert attn.backend.decode_plan.used() == {winner}
+    assert model.layers[0].mlp.act_plan.used() == {winner}
+    assert attn.qkv_proj.plan.used() == {"panels" if winner == KERNELS else TORCH}
+    assert all(model.stack_rows) == (winner == KERNELS) and any(model.stack_rows) == all(
+        model.stack_rows)
+    assert list((tmp_path / "cache").glob("cpu_plans-*.json"))
+
+    monkeypatch.setenv(selector.MODE_ENV, "off")
+    reference = load()
+    ids = torch.tensor([3, 7, 11, 2])
+    from gpu.attention.paged_layout import paged_layout, random_caches
+
+    meta = paged_layout([0], [4], 16, seed=0)
+    caches = [random_caches(meta, 16, cfg.num_kv_heads, cfg.head_dim)
+              for _ in range(cfg.num_layers)]
+    with torch.inference_mode():
+        got = model(ids, torch.arange(4), [tuple(c.clone() for c in kv) for kv in caches], meta)
+        want = reference(ids, torch.arange(4), [tuple(c.clone() for c in kv) for kv in caches],
+                         meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_op_candidate_agrees_with_torch(tmp_path: Path, dtype: torch.dtype) -> None:
+    _, cfg, load = _model(tmp_path)
+    model = load()
+    attn = model.layers[0].self_attn
+    families = [op_plans._norm_candidates(cfg.hidden_size, dtype),
+                op_plans._act_candidates(cfg.intermediate_size, dtype),
+                op_plans._rotary_candidates(attn.rotary, cfg, dtype),
+                op_plans._attention_candidates(attn.backend, cfg, dtype, decode=True)]
+    if dtype == torch.float32:
+        families.append(op_plans._attention_candidates(attn.backend, cfg, dtype, decode=False))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for candidates in families:
+            for rows in (1, 5, 32):
+                fns = candidates(rows)
+                want, got = fns[TORCH](), fns[KERNELS]()
+                for w, g in zip(torch.utils._pytree.tree_leaves(want),
+                                torch.utils._pytree.tree_leaves(got)):
+                    torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)

@@ -1,0 +1,72 @@
+"""A first start with no build of the CPU kernels on the machine: the engine serves on torch's
+paths at once while they build in the background, then swaps in a model planned on them
+between two steps, and the tokens go on as they would have on either path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from core.config import DEFAULT_MODEL, EngineConfig
+from core.engine_core import EngineCore
+from core.sampling_params import SamplingParams
+from gpu.attention import CpuAttentionBackend, TorchAttentionBackend
+from gpu.cpu import kernel_upgrade, kernels, selector
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is None,
+                                reason="needs the C++ kernels")
+
+
+def _greedy(engine: EngineCore, prompt: list[int], tokens: int, before_step=None) -> list[int]:
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                   ignore_eos=True))
+    out: list[int] = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        if before_step is not None:
+            before_step(steps)
+        for delta in engine.step():
+            out += delta.outputs[0].token_ids
+        steps += 1
+    return out
+
+
+def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> None:
+    built = kernels._build_and_load()  # the real kernels, already built by this process
+    release = threading.Event()
+
+    def slow_build():
+        release.wait(timeout=60)
+        return built
+
+    monkeypatch.setattr(selector, "_mode", None)  # the engines below set it; restored after
+    monkeypatch.setattr(kernels, "_background", None)
+    monkeypatch.setattr(kernels, "_build_and_load", slow_build)
+    monkeypatch.setattr(kernel_upgrade, "is_built", lambda: False)
+    config = EngineConfig(model=DEFAULT_MODEL, max_model_len=128, cpu_kernels="auto")
+    engine = EngineCore(config)
+    runner = engine.runner
+    assert kernels.load_cpu_kernels() is None  # torch's paths meanwhile
+    first_model = runner.model
+    assert isinstance(first_model.layers[0].self_attn.backend, TorchAttentionBackend)
+    assert first_model.decode_stack is None
+
+    swapped_at = []
+
+    def at_step(step: int) -> None:
+        if step == 3:
+            release.set()
+            runner._upgrade.future.result(timeout=120)  # the model on the kernels is ready
+        if runner.model is not first_model and not swapped_at:
+            swapped_at.append(step)
+
+    prompt = list(range(5, 25))
+    tokens = _greedy(engine, prompt, 12, at_step)
+    assert swapped_at == [4]  # prepared before step 3, swapped in as step 3 launched
+    assert runner._upgrade is None and kernels.load_cpu_kernels() is built
+    assert isinstance(runner.model.layers[0].self_attn.backend, CpuAttentionBackend)
+
+    reference = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=128,
+                                        cpu_kernels="off"))
+    assert tokens == _greedy(reference, prompt, 12)
