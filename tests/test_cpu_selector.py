@@ -51,6 +51,25 @@ def test_choose_keeps_the_fastest_candidate_of_each_bucket() -> None:
     assert plan.describe() == "a 1, b 2, torch 3+ rows"
 
 
+def test_choose_keeps_few_layouts_when_the_others_win_by_noise() -> None:
+    """"b" wins two buckets by 2 % and 4 %: within the margin, so "a" alone serves them; "c"
+    wins its bucket by far, so it is kept for that one."""
+    by_rows = {1: {"a": 1.00, "b": 0.98, "c": 2.0}, 2: {"a": 1.0, "b": 0.96, "c": 2.0},
+               4: {"a": 3.0, "b": 3.0, "c": 1.0}}
+    now: dict[str, float] = {}
+
+    def candidates(rows: int) -> dict:
+        now.clear()
+        now.update(by_rows[rows])
+        return named(rows, list(now))
+
+    plan = choose([1, 2, 4], candidates, timer=lambda name, fn, calls: now[name])
+    assert plan.used() in ({"a", "c"}, {"b", "c"})
+    assert plan.choices[2] == "c"
+    assert selector.fewest_within([{"a": 1.0, "b": 0.5}], 0.05) == {"b"}
+    assert selector.fewest_within([{"a": 1.0, "b": 0.97}, {"a": 1.0, "b": 1.2}], 0.05) == {"a"}
+
+
 def test_plan_describes_merged_spans() -> None:
     plan = Plan((8, 16, 64, 128), ("onednn", "panels", "panels", "mkl"))
     assert plan.describe() == "onednn 1-8, panels 9-64, mkl 65+ rows"

@@ -17,6 +17,7 @@ linears still choose between torch's own oneDNN and plain paths).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ KERNELS = "tidal"  # the name of tidal's compiled kernel, for ops other than the
 # times, at most MAX_CALLS); its best call counts, as a co-tenant can slow any one call.
 TARGET_MS_PER_CANDIDATE = 15.0
 MIN_CALLS, MAX_CALLS = 3, 25
+# A candidate within this fraction of a bucket's best counts as as fast (timing noise).
+TIE_MARGIN = 0.05
 
 # (candidate's name, its call, how many calls) -> the best call's ms. Tests give their own.
 Timer = Callable[[str, Callable[[], object], int], float]
@@ -171,16 +174,33 @@ def time_candidates(fns: dict[str, Callable[[], object]], timer: Timer = host_ti
 
 def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callable[[], object]]],
            timer: Timer = host_timer) -> Plan:
-    """Time ``candidates(rows)`` at every bucket and keep the fastest of each. Adjacent buckets
-    that pick the same candidate merge into one span."""
-    bounds, choices, timings = [], [], []
-    for rows in buckets:
-        times = time_candidates(candidates(rows), timer)
-        winner = min(times, key=times.__getitem__)
-        bounds.append(rows)
-        choices.append(winner)
-        timings.append({name: round(ms, 4) for name, ms in times.items()})
-    return Plan(tuple(bounds), tuple(choices), tuple(timings))
+    """Time ``candidates(rows)`` at every bucket and keep, per bucket, the fastest of the fewest
+    candidates that come within ``TIE_MARGIN`` of every bucket's best (``fewest_within``)."""
+    bounds = list(buckets)
+    timings = [time_candidates(candidates(rows), timer) for rows in bounds]
+    kept = fewest_within(timings, TIE_MARGIN)
+    choices = [min(kept & set(t), key=t.__getitem__) for t in timings]
+    return Plan(tuple(bounds), tuple(choices),
+                tuple({name: round(ms, 4) for name, ms in t.items()} for t in timings))
+
+
+def fewest_within(timings: list[dict[str, float]], margin: float) -> set[str]:
+    """The smallest set of candidates that has, for every bucket, one within ``margin`` of that
+    bucket's best (ties: the set losing least summed over the buckets). Every candidate a plan
+    uses is another packed copy of a weight, so a win inside the timings' noise is not worth
+    one."""
+    names = sorted(set.intersection(*(set(t) for t in timings)))
+
+    def loss(kept: tuple[str, ...]) -> float:
+        return sum(min(t[n] for n in kept) / min(t.values()) for t in timings)
+
+    for size in range(1, len(names) + 1):
+        fits = [kept for kept in itertools.combinations(names, size)
+                if all(min(t[n] for n in kept) <= (1 + margin) * min(t.values())
+                       for t in timings)]
+        if fits:
+            return set(min(fits, key=loss))
+    return set(names)
 
 
 def host_key() -> dict[str, str]:

@@ -9,11 +9,11 @@
 //
 // Layout: W [N, K] becomes panels [ceil(N / P), K, P]; panel p holds columns Pp..Pp+P-1 of
 // W^T, row k contiguous (zero columns pad the last panel). The microkernel keeps an MR x P block
-// of y in vector registers and, for each k, adds x[m, k] times the panel's row k. P and MR fit
-// the registers of the ISA the file is built for: with AVX-512's 32 registers of 16 floats,
-// P = 32 and MR = 8 (16 accumulators); with AVX2's 16 registers of 8 floats (and elsewhere),
-// P = 16 and MR = 6 (12 accumulator registers, 2 for the panel's row, 1 for x's broadcast).
-// Tiles sized for AVX-512 spilled to the stack on AVX2 and ran many times slower than torch.
+// of y in vector registers and, for each k, adds x[m, k] times the panel's row k. P is two of
+// the target's registers wide (vec.h's vnative: 16 floats with AVX-512, 8 with AVX2, 4
+// otherwise) and MR fits its register file: 32 columns by 8 rows on AVX-512, 16 by 6 on AVX2.
+// A 16-float vector type spanning two AVX2 registers was kept in memory by GCC, not in
+// registers, and ran many times slower than torch.
 // Rows of x are taken 128 at a time so that chunk stays in cache across the panels; the
 // panels of a chunk are split over torch's threads by tidal::parallel_items (a thread that
 // finishes its run of panels takes the last ones of a thread held up). Sums run in k order in
@@ -33,19 +33,16 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kPanel = 32;    // columns per panel: two vectors of 16 floats
-constexpr int64_t kRowBlock = 8;  // rows of y the microkernel holds in registers
-#else
-constexpr int64_t kPanel = 16;    // one vector of 16 floats (two AVX2 registers)
-constexpr int64_t kRowBlock = 6;
-#endif
-constexpr int kVecs = static_cast<int>(kPanel / tidal::kLanes);
+// A panel is two native vectors wide; MR rows of it are 2 MR accumulator registers, plus two
+// for the panel's row and one for x's broadcast: MR = 8 of AVX-512's 32 registers, 6 of
+// AVX2's (or SSE's) 16.
+constexpr int64_t kW = tidal::kNativeLanes;  // floats in one register
+constexpr int64_t kPanel = 2 * kW;
+constexpr int64_t kRowBlock = tidal::kNativeLanes == 16 ? 8 : 6;
+constexpr int kVecs = 2;
 constexpr int64_t kRowChunk = 128;  // rows of x kept in cache while every panel passes
 
-using tidal::load;
-using tidal::store;
-using tidal::vec16;
+using tidal::vnative;
 
 // What a microkernel call prefetches: the next panel's bytes from `next` on, two 64-byte lines
 // every `every` values of k.
@@ -57,13 +54,13 @@ struct Prefetch {
 template <int MR>
 void microkernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
                  int64_t ldy, int64_t cols, const float* bias, Prefetch pf) {
-  vec16 acc[MR][kVecs];
+  vnative acc[MR][kVecs];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kVecs; ++v) acc[m][v] = vec16{};
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = vnative{};
   int64_t countdown = pf.every;
   for (int64_t k = 0; k < K; ++k) {
-    vec16 b[kVecs];
-    for (int v = 0; v < kVecs; ++v) b[v] = load(panel + k * kPanel + v * tidal::kLanes);
+    vnative b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = tidal::load_native(panel + k * kPanel + v * kW);
     if (--countdown == 0) {
       countdown = pf.every;
       __builtin_prefetch(pf.next, 0, 2);
@@ -81,7 +78,7 @@ void microkernel(const float* x, int64_t ldx, const float* panel, int64_t K, flo
   for (int m = 0; m < MR; ++m) {
     alignas(64) float row[kPanel];
     for (int v = 0; v < kVecs; ++v)
-      store(row + v * tidal::kLanes, acc[m][v] + load(bias_row + v * tidal::kLanes));
+      tidal::store_native(row + v * kW, acc[m][v] + tidal::load_native(bias_row + v * kW));
     std::memcpy(y + m * ldy, row, cols * sizeof(float));
   }
 }

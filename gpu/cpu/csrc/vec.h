@@ -17,6 +17,21 @@ namespace tidal {
 
 constexpr int64_t kLanes = 16;  // floats in a vec16
 
+// One register's worth of floats on the target: GCC keeps a vec16 that spans two or four
+// registers in memory between loop iterations where it is held in an array (as a GEMM's
+// accumulators are), so kernels whose state must stay in registers use this type instead.
+#if defined(__AVX512F__)
+#define TIDAL_NATIVE_BYTES 64
+#elif defined(__AVX__)
+#define TIDAL_NATIVE_BYTES 32
+#else
+#define TIDAL_NATIVE_BYTES 16
+#endif
+constexpr int64_t kNativeLanes = TIDAL_NATIVE_BYTES / 4;
+typedef float vnative __attribute__((vector_size(TIDAL_NATIVE_BYTES), aligned(4), may_alias));
+inline vnative load_native(const float* p) { return *reinterpret_cast<const vnative*>(p); }
+inline void store_native(float* p, vnative v) { *reinterpret_cast<vnative*>(p) = v; }
+
 // may_alias: vectors are read from and written to float buffers; aligned(4): any float address.
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
