@@ -39,6 +39,12 @@ GGUF_CONVERT = Path(__file__).resolve().parent / "gguf_convert.py"
 # (32 x 2,048 = 65,536), more when the plan's concurrency or sequences need them.
 LLAMA_MIN_SLOTS = 32
 LLAMA_MIN_SLOT_TOKENS = 2048
+# vLLM's environment unless the caller's sets these: a 1 GiB KV cache, a local directory (no hub
+# look-ups) and no usage reports sent anywhere
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1"}
+# what else of the caller's environment shapes a vLLM CPU run, recorded with the results
+VLLM_CPU_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS")
 
 
 class PeerUnavailable(Exception):
@@ -71,9 +77,7 @@ class VllmServe(LaunchedServer):
                 "--host", "127.0.0.1", "--port", str(self.port), *self.server_args]
 
     def env(self) -> dict[str, str]:
-        # a local directory: no hub look-ups, and no usage reports sent anywhere
-        return {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **super().env()}
+        return {**VLLM_ENV, **super().env()}
 
 
 class LlamaServer(LaunchedServer):
@@ -199,7 +203,8 @@ def find_vllm(args: argparse.Namespace, model: str, needs: dict) -> Peer:
     return Peer("vllm", "vLLM OpenAI server (CPU build)", probe.stdout.strip(),
                 ["--dtype", "float32", *args.vllm_arg],
                 lambda model, server_args: VllmServe(model, server_args, python),
-                {"python": python})
+                {"python": python, "env": {**VLLM_ENV, **{
+                    k: os.environ[k] for k in (*VLLM_ENV, *VLLM_CPU_ENV) if k in os.environ}}})
 
 
 def find_llamacpp(args: argparse.Namespace, model: str, needs: dict) -> Peer:
