@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,14 +70,72 @@ def _call_times(fn: Callable[[], object], repeats: int) -> list[float]:
     return sorted(times)
 
 
+# CPU flags worth naming beside a benchmark's figures: the vector and matrix extensions the
+# kernels (ours and the peers') may pick at run time.
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
+              "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_int8", "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and the SIMD flags of ``SIMD_FLAGS`` it has, from
+    ``/proc/cpuinfo`` (Linux; elsewhere the model is ``platform.processor()`` and no flags)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return {"cpu_model": model or platform.processor() or platform.machine(),
+            "cpu_flags": [f for f in SIMD_FLAGS if f in flags]}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it; None outside git."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def machine() -> dict:
+    """The host a benchmark ran on, stored with every result (``write_result``): CPU model,
+    its SIMD flags and core count, the GPU if any, torch and the git commit."""
     info = {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+            **cpu_info(), "cpu_cores": os.cpu_count(), "gpu": None,
+            "git_commit": git_commit()}
     if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name()
+        info["gpu"] = info["device"] = torch.cuda.get_device_name()
     else:
         info["device"] = f"cpu ({platform.processor() or platform.machine()})"
     return info
+
+
+def host_line(info: dict) -> str:
+    """``machine()`` in one line, for the Markdown beside a result."""
+    if not info:
+        return "unknown host"
+    flags = ", ".join(info.get("cpu_flags") or []) or "no SIMD flags known"
+    commit = info.get("git_commit") or "unknown"
+    return (f"{info.get('cpu_model') or info.get('device')}, {info.get('cpu_cores', '?')} "
+            f"cores ({flags}); GPU: {info.get('gpu') or 'none'}; torch {info.get('torch')}; "
+            f"tidal commit {commit[:12] + commit[40:]}")
 
 
 def write_result(name: str, result: dict) -> Path:

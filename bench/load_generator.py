@@ -11,7 +11,8 @@ time from a token being sampled by the engine to its SSE event leaving the serve
 
 Prompts may also be given as text, and requests can be shaped for ``transformers serve``
 (``flavor="transformers"``: text prompts only, EOS switched off through its ``generation_config``
-field); ``bench/serving_comparison.py`` uses both to load tidal and that peer alike.
+field), vLLM (``"vllm"``) and llama.cpp's ``llama-server`` (``"llamacpp"``);
+``bench/serving_comparison.py`` uses both to load tidal and its peers alike.
 
     python -m bench.load_generator --url http://127.0.0.1:8000 --model NAME --concurrency 8
     python -m bench.load_generator --launch --concurrency 1 32   # starts a server itself
@@ -56,7 +57,7 @@ Prompt = list[int] | str
 # What one request can fail with: the connection, a line past the reader's limit, a timeout, an
 # event that is not JSON. Each is that request's error, not the run's.
 STREAM_ERRORS = (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, ValueError)
-FLAVORS = ("tidal", "transformers")
+FLAVORS = ("tidal", "transformers", "vllm", "llamacpp")
 
 
 @dataclass
@@ -95,12 +96,22 @@ def request_body(flavor: str, model: str, prompt: Prompt, output_len: int) -> di
     """A streamed greedy ``/v1/completions`` body producing exactly ``output_len`` tokens.
 
     ``transformers serve`` rejects unknown fields and token-id prompts; its EOS is switched
-    off through ``generation_config`` (an ``eos_token_id`` of -1 matches no token).
+    off through ``generation_config`` (an ``eos_token_id`` of -1 matches no token). vLLM also
+    gets ``min_tokens``; llama.cpp's ``llama-server`` takes ``ignore_eos`` as a -inf bias on
+    every end-of-generation token, and ``n_predict`` (its name for ``max_tokens``). Every
+    server but ``transformers serve`` reports usage at the end of the stream, so the output
+    count is the server's token count, not the text chunks (a token whose text is held back,
+    such as part of a UTF-8 character, or empty, such as a special token, sends none).
     """
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": output_len,
                             "stream": True, "temperature": 0.0}
+    usage = {"stream_options": {"include_usage": True}}
     if flavor == "tidal":
-        return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        return body | {"ignore_eos": True} | usage
+    if flavor == "vllm":
+        return body | {"ignore_eos": True, "min_tokens": output_len} | usage
+    if flavor == "llamacpp":
+        return body | {"ignore_eos": True, "n_predict": output_len} | usage
     if flavor == "transformers":
         if not isinstance(prompt, str):
             raise ValueError("transformers serve takes text prompts only")

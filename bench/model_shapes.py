@@ -1,4 +1,5 @@
-"""Random-weight model directories in the shapes of real models, for GPU benchmarks.
+"""Random-weight model directories in the shapes of real models, for GPU benchmarks, and of
+the CPU serving comparison's small Llama (``llama-28m``).
 
 Weights are drawn straight into the checkpoint's dtype (no float32 model in between), so a
 1B-parameter directory takes seconds. The tokenizer is the random-model byte-level BPE padded
@@ -30,14 +31,26 @@ SHAPES: dict[str, dict] = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+# Shapes of no real model, for the CPU benchmarks (not in the GPU benchmarks' default sweep).
+BENCH_SHAPES: dict[str, dict] = {
+    # The CPU serving comparison's small Llama against vLLM and llama.cpp (27.7M parameters):
+    # the default benchmark model's layers (bench.common.BENCH_LLAMA) with a 4,000-token vocab.
+    "llama-28m": dict(
+        model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=4000,
+        tie_word_embeddings=False, max_position_embeddings=4096),
+}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=1024)
 
 
+ALL_SHAPES: dict[str, dict] = SHAPES | BENCH_SHAPES
+
+
 def shape_settings(name: str, tiny: bool = False) -> dict:
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    settings = dict(SHAPES[name])
+    if name not in ALL_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(ALL_SHAPES)}")
+    settings = dict(ALL_SHAPES[name])
     if tiny:
         settings.update(TINY)
     return settings

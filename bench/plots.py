@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.common import RESULTS_DIR  # noqa: E402
 
-COLORS = {"tidal": "tab:blue", "transformers": "tab:red"}
+COLORS = {"tidal": "tab:blue", "transformers": "tab:red", "vllm": "tab:green",
+          "llamacpp": "tab:orange"}
 LINES = ("-", "--", ":", "-.")
 
 
@@ -124,8 +125,10 @@ def _save(fig: Any, result: dict[str, Any], path: Path) -> Path:
 def _title(result: dict[str, Any]) -> str:
     setup = result.get("setup", {})
     model = Path(str(setup.get("model", "?"))).name
-    return (f"{model} ({setup.get('model_params_m', '?')}M), "
-            f"{result.get('machine', {}).get('device', '')}, {result.get('date', '')}")
+    host = result.get("machine", {})
+    cpu = host.get("gpu") or (f"{host['cpu_model']}, {host.get('cpu_cores')} cores"
+                              if host.get("cpu_model") else host.get("device", ""))
+    return f"{model} ({setup.get('model_params_m', '?')}M), {cpu}, {result.get('date', '')}"
 
 
 def plot_all(result_path: Path, out_dir: Path = RESULTS_DIR) -> list[Path]:

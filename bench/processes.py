@@ -3,7 +3,9 @@ browsers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +30,21 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> int:
+    """``stop_process`` for a process started with ``start_new_session``: SIGTERM goes to its
+    whole group (its worker processes too), SIGKILL to what is left of it after ``timeout``."""
+    group = os.getpgid(proc.pid)
+    os.killpg(group, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):  # the workers may linger after the leader
+        os.killpg(group, signal.SIGKILL)
+    proc.wait()
+    return proc.returncode
+
+
 _HANDED_OUT: set[int] = set()
 # What a server prints when another process took its port between free_port() and its bind.
 PORT_TAKEN = b"Address already in use"
@@ -47,7 +64,12 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    """A server process on a free loopback port; subclasses change ``command``."""
+    """A server process on a free loopback port; subclasses change ``command`` and may change
+    ``env``, what its log says when its port was taken, and whether it runs in a process group
+    of its own (a server with worker processes: ``stop`` then signals all of them)."""
+
+    port_taken: tuple[bytes, ...] = (PORT_TAKEN,)
+    process_group = False
 
     def __init__(self, model: str, server_args: list[str]) -> None:
         self.model = model
@@ -59,8 +81,11 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                                     stderr=subprocess.STDOUT, env=self.env(),
+                                     start_new_session=self.process_group)
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "app", "serve", "--model", self.model, "--port",
@@ -83,7 +108,7 @@ class LaunchedServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 log = Path(self.log.name).read_bytes()
-                if PORT_TAKEN in log:
+                if any(marker in log for marker in self.port_taken):
                     return False
                 raise RuntimeError(f"the server exited: {log.decode(errors='replace')}")
             try:
@@ -96,4 +121,7 @@ class LaunchedServer:
         raise TimeoutError("the server did not come up")
 
     def stop(self) -> None:
-        stop_process(self.proc, 60)
+        if self.process_group and self.proc.poll() is None:
+            stop_process_group(self.proc, 60)
+        else:
+            stop_process(self.proc, 60)

@@ -1,10 +1,16 @@
-"""Serving comparison: tidal against ``transformers serve`` on the same model and workloads.
+"""Serving comparison: tidal against its peers on the same model and workloads.
 
-Starts both servers on loopback with the same model directory, sends each the same streamed
-``/v1/completions`` workloads with the load generator, one server at a time, workload by
-workload (``--no-interleave``: every workload on one server, then on the other), and writes
-``bench/results/<name>.json`` and ``.md`` with the ratios ours / peer of output tokens/s,
-requests/s and p50/p99 TTFT, inter-token latency and end-to-end latency, then the plots.
+The peers (``--peer``, ``bench/peers.py``): ``transformers serve`` (the default), vLLM's CPU
+build (``vllm``) and llama.cpp's ``llama-server`` (``llamacpp``), one or several of them
+(``--peer vllm llamacpp``; ``all``: every one that can be had here; ``none``: tidal alone). A
+peer that is not installed, or does not come up, is skipped with the reason.
+
+Starts tidal and the peers on loopback with the same model directory, sends each the same
+streamed ``/v1/completions`` workloads with the load generator, one server at a time, workload
+by workload (``--no-interleave``: every workload on one server, then on the next), and writes
+``bench/results/<name>.json`` and ``.md`` (both naming the host: CPU, SIMD flags, cores, GPU,
+torch and commit) with the ratios ours / peer, for each peer, of output tokens/s, requests/s
+and p50/p99 TTFT, inter-token latency and end-to-end latency, then the plots.
 
 Workloads (greedy, EOS ignored, prompts are text of exact token lengths):
 - ``c{N}-in{L}``: N requests in flight, L-token prompts, ``--output-len`` tokens out;
@@ -22,6 +28,9 @@ concurrency was often its slowest; a burst of short outputs did not cure that, a
     python -m bench.serving_comparison --quick          # a smoke run, about a minute
     python -m bench.serving_comparison                  # the full run, 15-30 min on 2 cores
     python -m bench.serving_comparison --model default --peer none
+    python -m bench.serving_comparison --shape llama-28m --peer vllm llamacpp \
+        --concurrency 1 32 --num-requests 8 96 --input-lens 128 --output-len 128 \
+        --shared-prefix-len 0 --num-long 0     # 128 in / 128 out at c1 and c32
 """
 
 from __future__ import annotations
@@ -33,18 +42,21 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from app.cli import run_event_loop
 from bench.common import RESULTS_DIR, bench_model_dir, write_result
 from bench.load_generator import RequestClass, Workload, run_classes
+from bench.model_shapes import ALL_SHAPES
+from bench.peers import PEERS, Peer, add_peer_args, find_peers
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
 
-PEERS = ("transformers", "none")
 # Scenario seeds are 1,000 apart (``plan``); a round's prompts take seed + 10 x round (a scenario
 # uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.
 ROUND_SEED_STEP = 10
@@ -67,22 +79,15 @@ class Scenario:
     seed: int = 0
 
 
-class TransformersServe(LaunchedServer):
-    """``transformers serve MODEL --continuous-batching --device cpu`` on a free port."""
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model,
-                "--continuous-batching", "--host", "127.0.0.1", "--port", str(self.port),
-                *self.server_args]
-
-
 # -- the plan -------------------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> list[Scenario]:
     scenarios = []
     for input_len in args.input_lens:
-        for conc in args.concurrency:
+        for index, conc in enumerate(args.concurrency):
+            requests = (args.num_requests[index % len(args.num_requests)] if args.num_requests
+                        else _num_requests(args, conc))
             scenarios.append(Scenario(f"c{conc}-in{input_len}", conc, input_len,
-                                      args.output_len, _num_requests(args, conc)))
+                                      args.output_len, requests))
     if args.shared_prefix_len:
         conc = args.shared_concurrency
         scenarios.append(Scenario("shared-prefix", conc, args.shared_input_len,
@@ -100,6 +105,14 @@ def plan(args: argparse.Namespace) -> list[Scenario]:
 
 def _num_requests(args: argparse.Namespace, concurrency: int) -> int:
     return max(args.min_requests, args.requests_per_concurrency * concurrency)
+
+
+def plan_needs(scenarios: list[Scenario]) -> dict[str, int]:
+    """The most requests in flight and the longest sequence (prompt and output) of the plan:
+    what a peer that sizes its slots up front (llama-server) must hold."""
+    return {"concurrency": max(s.concurrency + (1 if s.num_long else 0) for s in scenarios),
+            "sequence_tokens": max(max(s.input_len + s.output_len,
+                                       s.long_len + s.long_output_len) for s in scenarios)}
 
 
 def rounds_of(scenario: Scenario, tokenizer: Any, repeats: int
@@ -127,12 +140,6 @@ def request_classes(scenario: Scenario, tokenizer: Any) -> dict[str, RequestClas
 
 
 # -- running --------------------------------------------------------------------------------
-def start_server(kind: str, model: str, server_args: list[str]) -> LaunchedServer:
-    if kind == "tidal":
-        return LaunchedServer(model, server_args)
-    return TransformersServe(model, server_args)
-
-
 def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int,
             input_len: int = 16, output_len: int = 8, seed: int = 7) -> None:
     """``requests`` requests at once, unmeasured: the peer builds its batching manager on the
@@ -146,29 +153,46 @@ def warm_up(server: LaunchedServer, flavor: str, tokenizer: Any, requests: int,
         raise RuntimeError(f"{flavor}: warm-up failed: {report['classes']['all']['errors']}")
 
 
-def run_servers(kinds: list[str], model: str, args: argparse.Namespace,
+def run_servers(starters: dict[str, Callable[[], LaunchedServer]], args: argparse.Namespace,
                 prepared: list[tuple[Scenario, list[dict[str, RequestClass]]]],
                 tokenizer: Any,
                 reports: dict[str, dict[str, dict]], runs: dict[str, dict]) -> None:
-    """Start ``kinds`` together, then run every scenario on each of them in turn (``--repeats``
-    rounds of it), so that a change in the machine's load hits them alike. An idle server
-    costs no CPU."""
+    """Start the servers of ``starters`` together, then run every scenario on each of them in
+    turn (``--repeats`` rounds of it), so that a change in the machine's load hits them alike.
+    An idle server costs no CPU. A peer that does not come up or fails a warm-up is stopped
+    and left out (``runs[kind]["skipped"]`` says why); tidal failing ends the run."""
     servers: dict[str, LaunchedServer] = {}
+
+    def attempt(kind: str, step: Callable[[], object]) -> bool:
+        try:
+            step()
+            return True
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            if kind == "tidal":
+                raise
+            why = str(exc) if len(str(exc)) < 2000 else "..." + str(exc)[-2000:]
+            runs[kind]["skipped"] = why
+            print(f"[{kind}] skipped: {why}", flush=True)
+            if kind in servers:
+                servers.pop(kind).stop()
+            return False
+
     try:
-        for kind in kinds:
+        for kind, start in starters.items():
             runs[kind] = {"load_average_start": os.getloadavg()[0]}
-            servers[kind] = start_server(kind, model, args.server_arg if kind == "tidal"
-                                         else args.peer_arg)
-        for kind, server in servers.items():
+            attempt(kind, lambda kind=kind, start=start: servers.update({kind: start()}))
+        for kind, server in list(servers.items()):
             started = time.perf_counter()
-            server.wait_ready()
-            runs[kind]["ready_after_s"] = time.perf_counter() - started
-            warm_up(server, kind, tokenizer, args.warmup)
+            if attempt(kind, server.wait_ready):
+                runs[kind]["ready_after_s"] = time.perf_counter() - started
+                attempt(kind, partial(warm_up, server, kind, tokenizer, args.warmup))
         for scenario, round_classes in prepared:
             if args.scenario_warmup:
-                for kind, server in servers.items():
-                    warm_up(server, kind, tokenizer, scenario.concurrency, scenario.input_len,
-                            scenario.output_len, scenario.seed + WARM_UP_SEED_OFFSET)
+                for kind, server in list(servers.items()):
+                    attempt(kind, partial(warm_up, server, kind, tokenizer,
+                                          scenario.concurrency, scenario.input_len,
+                                          scenario.output_len,
+                                          scenario.seed + WARM_UP_SEED_OFFSET))
             rounds: dict[str, list[dict]] = {kind: [] for kind in servers}
             for classes in round_classes:
                 for kind, server in servers.items():
@@ -226,17 +250,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None,
                     help="HF model directory; 'default' for the embedded model (default: the "
                     "random ~30M-parameter benchmark Llama)")
-    ap.add_argument("--peer", choices=PEERS, default="transformers")
+    ap.add_argument("--shape", choices=list(ALL_SHAPES), default=None,
+                    help="instead of --model: a random float32 model of this shape "
+                    "(bench/model_shapes.py), built once under the temporary directory; "
+                    "llama-28m is the vLLM / llama.cpp comparison's")
+    ap.add_argument("--peer", nargs="+", default=["transformers"], metavar="PEER",
+                    help=f"one or several of {', '.join(PEERS)} (space or comma separated); "
+                    "'all': every one that can be had here; 'none': tidal alone")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for tidal (repeatable), e.g. --server-arg=--max-num-"
                     "seqs=32")
     ap.add_argument("--peer-arg", action="append", default=None,
-                    help="extra argument for the peer (repeatable; default: --device cpu)")
+                    help="extra argument for the one peer of --peer (repeatable); the same as "
+                    "its own --transformers-arg, --vllm-arg or --llamacpp-arg")
+    add_peer_args(ap)
     ap.add_argument("--order", choices=["peer-first", "tidal-first"], default="peer-first",
                     help="which server runs each workload first")
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep both servers up and alternate them workload by workload "
-                    "(else: all workloads on one, then all on the other)")
+                    help="keep every server up and alternate them workload by workload "
+                    "(else: all workloads on one, then all on the next)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: small sizes (any size flag given still wins)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -244,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests-per-concurrency", type=int, default=2,
                     help="requests per run = this x concurrency (at least --min-requests)")
+    ap.add_argument("--num-requests", type=int, nargs="+", default=None,
+                    help="requests per run of each --concurrency value, in its order (one "
+                    "value: for all); overrides --requests-per-concurrency there")
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--shared-prefix-len", type=int, default=448,
                     help="shared system prompt tokens (0: no shared-prefix workload)")
@@ -281,14 +316,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     if not 1 <= args.repeats <= MAX_REPEATS:
         ap.error(f"--repeats must be between 1 and {MAX_REPEATS}")
-    if args.peer_arg is None:
-        args.peer_arg = ["--device", "cpu"]
+    if args.num_requests and len(args.num_requests) not in (1, len(args.concurrency)):
+        ap.error(f"--num-requests takes one value or one per --concurrency value "
+                 f"({len(args.concurrency)})")
+    if args.model and args.shape:
+        ap.error("--model and --shape are alternatives: give one")
+    try:
+        args.peer = peer_list(args.peer)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.peer_arg is not None:
+        if len(args.peer) != 1:
+            ap.error("--peer-arg is for a single --peer; with several, use --transformers-arg, "
+                     "--vllm-arg or --llamacpp-arg")
+        own = f"{args.peer[0]}_arg"
+        setattr(args, own, (getattr(args, own) or []) + args.peer_arg)
     args.name = args.name or ("serving_comparison-quick" if args.quick
                               else "serving_comparison")
     return args
 
 
-def resolve_model(model: str | None) -> str:
+def peer_list(values: list[str]) -> list[str]:
+    """``--peer``'s values as peer names, in order, once each: commas split values, ``all``
+    is every peer, ``none`` (alone) is no peer."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    if "none" in names:
+        if len(names) > 1:
+            raise ValueError("--peer none takes no other peer")
+        return []
+    unknown = [n for n in names if n not in (*PEERS, "all")]
+    if unknown or not names:
+        raise ValueError(f"--peer: unknown {', '.join(unknown) or '(empty)'}; choose from "
+                         f"{', '.join(PEERS)}, all, none")
+    expanded = [p for n in names for p in (PEERS if n == "all" else (n,))]
+    return list(dict.fromkeys(expanded))
+
+
+def resolve_model(model: str | None, shape: str | None = None) -> str:
+    if shape:
+        import torch
+
+        from bench.model_shapes import build_shaped_model_dir
+
+        return str(build_shaped_model_dir(Path(tempfile.gettempdir()) / f"tidal-bench-{shape}",
+                                          shape, dtype=torch.float32))
     if model == "default":
         from core import DEFAULT_MODEL
 
@@ -311,42 +382,39 @@ def model_params_m(model: str) -> float | None:
     return round(total / 1e6, 1) if total else None
 
 
-def peer_version(peer: str) -> str | None:
-    if peer != "transformers":
-        return None
-    import transformers
-
-    return transformers.__version__
-
-
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.shape)
     tokenizer = AutoTokenizer.from_pretrained(model)
     scenarios = plan(args)
+    peers, skipped = find_peers(args.peer, args, model, plan_needs(scenarios))
     prepared = [(s, rounds_of(s, tokenizer, args.repeats)) for s in scenarios]
-    kinds = ["tidal"] if args.peer == "none" else ["tidal", args.peer]
+    starters: dict[str, Callable[[], LaunchedServer]] = {
+        "tidal": partial(LaunchedServer, model, args.server_arg)}
+    for peer in peers:
+        starters[peer.key] = partial(peer.start, model)
+    kinds = list(starters)  # tidal first, then the peers in --peer's order
     if args.order == "peer-first":
-        kinds.reverse()
+        kinds = kinds[1:] + kinds[:1]
     load_start = os.getloadavg()
     reports: dict[str, dict[str, dict]] = {}
     runs: dict[str, dict] = {}
     for group in ([kinds] if args.interleave else [[kind] for kind in kinds]):
-        run_servers(group, model, args, prepared, tokenizer, reports, runs)
+        run_servers({kind: starters[kind] for kind in group}, args, prepared, tokenizer,
+                    reports, runs)
+    skipped |= {kind: run["skipped"] for kind, run in runs.items() if "skipped" in run}
+    ran = [kind for kind in kinds if kind in reports]
     result = {
         "setup": {
-            "model": model, "model_params_m": model_params_m(model),
-            "tidal_args": args.server_arg, "peer_name": "transformers serve "
-            "--continuous-batching" if args.peer == "transformers" else None,
-            "peer_version": peer_version(args.peer),
-            "peer_args": args.peer_arg if args.peer != "none" else None,
+            "model": model, "model_params_m": model_params_m(model), "shape": args.shape,
+            "tidal_args": args.server_arg, **peer_setup(peers, skipped),
             "load_average": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
             "cpu_count": os.cpu_count(), "notes": args.note, "argv": sys.argv[1:],
             "interleaved": args.interleave, "repeats": args.repeats,
             "scenario_warmup": args.scenario_warmup, "runs": runs},
-        "scenarios": [asdict(s) | {"reports": {k: reports[k].get(s.name) for k in kinds}}
+        "scenarios": [asdict(s) | {"reports": {k: reports[k].get(s.name) for k in ran}}
                       for s in scenarios],
     }
     path = write_result(args.name, result)
@@ -361,6 +429,17 @@ def main(argv: list[str] | None = None) -> Path:
         for png in plot_all(path, RESULTS_DIR):
             print(f"wrote {png}")
     return path
+
+
+def peer_setup(peers: list[Peer], skipped: dict[str, str]) -> dict[str, Any]:
+    """The results' account of the peers: each one found (how it was started), each one
+    skipped and why, and the first to run's ``peer_*`` entries, as results had them before
+    there were several peers."""
+    first = next((p for p in peers if p.key not in skipped), None)
+    return {"peers": {p.key: p.describe() for p in peers}, "skipped_peers": skipped,
+            "peer_name": first.name if first else None,
+            "peer_version": first.version if first else None,
+            "peer_args": first.args if first else None}
 
 
 if __name__ == "__main__":

