@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from gpu.cpu.host import cpu_model, parse_cpuinfo, simd_flags
 from gpu.random_model import build_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -70,31 +71,11 @@ def _call_times(fn: Callable[[], object], repeats: int) -> list[float]:
     return sorted(times)
 
 
-# CPU flags worth naming beside a benchmark's figures: the vector and matrix extensions the
-# kernels (ours and the peers') may pick at run time.
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
-              "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-              "amx_int8", "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm")
-
-
 def cpu_info(cpuinfo: str | None = None) -> dict:
-    """The CPU's model name and the SIMD flags of ``SIMD_FLAGS`` it has, from
-    ``/proc/cpuinfo`` (Linux; elsewhere the model is ``platform.processor()`` and no flags)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model, flags = "", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "hardware", "cpu model") and not model:
-            model = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-    return {"cpu_model": model or platform.processor() or platform.machine(),
-            "cpu_flags": [f for f in SIMD_FLAGS if f in flags]}
+    """The CPU's model name and SIMD flags (``gpu.cpu.host``), from ``cpuinfo``'s text where
+    given, else this machine's."""
+    model, flags = parse_cpuinfo(cpuinfo) if cpuinfo is not None else (cpu_model(), None)
+    return {"cpu_model": model, "cpu_flags": simd_flags(flags)}
 
 
 def git_commit() -> str | None:
