@@ -38,13 +38,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
                max_positions: int, dtype: torch.dtype, device: str, max_rows: int = 256,
-               max_seqs: int = 64, plan_cache: PlanCache | None = None) -> LlamaForCausalLM:
+               max_seqs: int = 64, plan_cache: PlanCache | None = None,
+               timed: bool = True) -> LlamaForCausalLM:
     """The model, ready to run. On the CPU its ops are planned for steps of up to ``max_rows``
     tokens and ``max_seqs`` decode rows (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by
-    default this host's)."""
+    default this host's), by timing them unless not ``timed``."""
     model = read_model(model_dir, cfg, backend, max_positions, dtype, device)
     if can_pack(device, dtype):
-        prepare_for_cpu(model, max_rows, max_seqs, plan_cache)
+        prepare_for_cpu(model, max_rows, max_seqs, plan_cache, timed)
     return model
 
 
@@ -61,9 +62,9 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
 
 
 def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
-                    plan_cache: PlanCache | None = None) -> ModelPlans:
+                    plan_cache: PlanCache | None = None, timed: bool = True) -> ModelPlans:
     """Plan every op, pack the linears as planned, and build the one-call decode step."""
-    plans = plan_model(model, max_rows, max_seqs, plan_cache)
+    plans = plan_model(model, max_rows, max_seqs, plan_cache, timed)
     log_plans(plans)
     model.decode_stack = build_decode_stack(model)
     model.stack_rows = stack_rows(model, max_seqs)

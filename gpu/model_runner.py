@@ -45,10 +45,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         # A first start on a CPU serves on torch's paths while the kernels build (a server's).
+        # Its stopgap model is not timed: the build shares the cores, and it serves minutes.
         self._upgrade = (KernelUpgrade(self._load_model)
                          if self.device == "cpu" and not config.offline
                          and needs_background_build() else None)
-        self.model = self._load_model()
+        self.model = self._load_model(timed=self._upgrade is None)
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -158,12 +159,12 @@ class ModelRunner:
         """The attention backend of the model that runs now."""
         return self.model.layers[0].self_attn.backend
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, timed: bool = True) -> torch.nn.Module:
         config = self.config
         backend = get_attention_backend(config.attention_backend, config.device)
         return load_model(config.model, self.model_config, backend, self.max_model_len,
                           self.dtype, config.device, max_rows=config.max_num_batched_tokens,
-                          max_seqs=config.max_num_seqs)
+                          max_seqs=config.max_num_seqs, timed=timed)
 
     def _swap_in_kernels(self) -> None:
         """Between steps: the model planned on the CPU kernels, once built in the background."""

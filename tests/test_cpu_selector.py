@@ -90,9 +90,10 @@ def test_plans_are_cached_per_host_and_never_reused_on_another(tmp_path: Path) -
     first = PlanCache(tmp_path, key, timer)
     plan = first.get_or_choose("op|x", [1, 2], candidates)
     first.save()
-    assert plan.choices == ("tidal", "tidal") and calls == [1, 2]
+    assert plan.choices == ("tidal", "tidal") and calls == [1, 2] * selector.PASSES
     again = PlanCache(tmp_path, dict(key), timer)
-    assert again.get_or_choose("op|x", [1, 2], candidates) == plan and calls == [1, 2]
+    calls.clear()
+    assert again.get_or_choose("op|x", [1, 2], candidates) == plan and calls == []
     assert again.measured == []
     for field, other in (("cpu", "CPU B"), ("flags", "avx2 fma avx512f"), ("torch", "2.14.0"),
                          ("kernels", "k2"), ("threads", "4")):
@@ -107,7 +108,7 @@ def test_plans_are_cached_per_host_and_never_reused_on_another(tmp_path: Path) -
     # Other buckets (another --max-num-batched-tokens) are timed anew.
     calls.clear()
     again.get_or_choose("op|x", [1, 2, 4], candidates)
-    assert calls == [1, 2, 4]
+    assert calls == [1, 2, 4] * selector.PASSES
 
 
 def test_mode_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

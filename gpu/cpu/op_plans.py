@@ -22,7 +22,7 @@ from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.attention.torch_ref import TorchAttentionBackend
 from gpu.cpu import selector
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from gpu.cpu.packed_linear import PackedLinear, pack_linear_layers
+from gpu.cpu.packed_linear import pack_linear_layers
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.layers import RMSNorm, silu_and_mul
 
@@ -41,6 +41,7 @@ class ModelPlans:
     plans: dict[str, Plan]
     measured: int  # how many were timed now rather than read from the cache
     seconds: float
+    timed: bool = True  # False: defaults, with no timing (not ``auto``, or a stopgap model)
 
     def table(self) -> str:
         width = max(len(name) for name in self.plans)
@@ -49,11 +50,12 @@ class ModelPlans:
 
 
 def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
-               cache: PlanCache | None = None) -> ModelPlans:
+               cache: PlanCache | None = None, timed: bool = True) -> ModelPlans:
     """Pack the model's linears and set every op's plan on its modules (``auto``: timed, or
-    read from this host's cache; ``force``/``off``: no timing, the kernels where built)."""
+    read from this host's cache; ``force``/``off``, or not ``timed``: the kernels where built,
+    else oneDNN, else torch)."""
     start = time.perf_counter()
-    auto = selector.mode() == "auto"
+    auto = selector.mode() == "auto" and timed
     cache = cache if cache is not None else (PlanCache() if auto else None)
     linears = pack_linear_layers(model, max_rows, cache if auto else None)
     plans = {f"linear {m.out_features}x{m.in_features}": m.plan for m in linears}
@@ -64,7 +66,7 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
             plans.update(_plan_ops(model, dtype, max_rows, max_seqs, cache))
         cache.save()
     measured = len(cache.measured) if cache is not None else 0
-    return ModelPlans(plans, measured, time.perf_counter() - start)
+    return ModelPlans(plans, measured, time.perf_counter() - start, auto)
 
 
 def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int,
@@ -175,8 +177,7 @@ def _attention_candidates(backend: CpuAttentionBackend, cfg, dtype: torch.dtype,
 
 def log_plans(result: ModelPlans) -> None:
     how = (f"timed {result.measured} in {result.seconds:.1f} s" if result.measured
-           else "from this host's cache" if selector.mode() == "auto" else selector.mode())
+           else "from this host's cache" if result.timed else "defaults, untimed")
     logger.info("CPU ops (%s mode, %s):\n%s", selector.mode(), how, result.table())
 
 
-__all__ = ["ModelPlans", "PackedLinear", "log_plans", "plan_model", "stack_rows"]
