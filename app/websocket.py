@@ -50,8 +50,8 @@ _page_env = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
 async def chat_page(request: Request) -> Response:
     """The web chat page; it talks to the websocket below."""
     state = request.app.state.tidal
-    html = _page_env.get_template("chat.html").render(model=state.served_model_name,
-                                                      ws_path=WS_PATH)
+    html = _page_env.get_template("chat.html").render(
+        model=state.served_model_name, ws_path=WS_PATH, context_tokens=state.context_tokens)
     return HTMLResponse(html)
 
 
