@@ -218,6 +218,9 @@ class PreparedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    # With truncation: how many of the oldest non-system messages were left out to fit the
+    # context; ``None`` when truncation was not asked for.
+    dropped_messages: int | None = None
 
 
 @dataclass
@@ -242,9 +245,13 @@ class PreparedCompletion:
 
 
 def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
-                         require_model: bool = True) -> PreparedRequest:
+                         require_model: bool = True, truncate: bool = False
+                         ) -> PreparedRequest:
     """Validate an OpenAI chat request, apply the chat template, tokenize, and build the
-    ``SamplingParams``. Raises ``ApiError`` naming the field at fault."""
+    ``SamplingParams``. Raises ``ApiError`` naming the field at fault.
+
+    With ``truncate`` (the websocket chat's ``"truncation": "auto"``), a conversation too long
+    for the context loses its oldest turns instead of failing: see ``_fit_conversation``."""
     if not require_model and body.get("model") is None:
         body = {**body, "model": state.served_model_name}
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
@@ -257,12 +264,6 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         if m.content is None and m.role != "assistant":
             raise bad_request(f"Invalid request: messages[{i}].content: this field is "
                               "required", f"messages[{i}].content")
-    try:
-        prompt = state.chat_template.render(messages)
-    except ChatTemplateError as exc:
-        raise bad_request(f"The chat template rejected the messages: {exc}",
-                          "messages") from None
-    token_ids = _encode(state, prompt, "messages", add_special_tokens=False)
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
         else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -271,12 +272,88 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     params = _sampling_params(req, state, max_tokens=max_tokens,
                               logprobs=top if req.logprobs else None, names={
                                   "max_tokens": max_field, "logprobs": "top_logprobs"})
+    dropped = None
+    if truncate:
+        prompt, token_ids, dropped = _fit_conversation(state, messages, params)
+    else:
+        prompt = _render_chat(state, messages)
+        token_ids = _encode(state, prompt, "messages", add_special_tokens=False)
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")
     return PreparedRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
-        stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top)
+        stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
+        dropped_messages=dropped)
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+    try:
+        return state.chat_template.render(messages)
+    except ChatTemplateError as exc:
+        raise bad_request(f"The chat template rejected the messages: {exc}",
+                          "messages") from None
+
+
+def reply_room(context_tokens: int) -> int:
+    """The tokens a truncated conversation leaves for a reply without ``max_tokens``: half
+    the context, at most 4,096."""
+    return min(context_tokens // 2, 4096)
+
+
+def _fit_conversation(state: ServerState, messages: list[dict[str, str]],
+                      params: SamplingParams) -> tuple[str, list[int], int]:
+    """The conversation's prompt and token ids once its oldest turns are dropped until the
+    prompt leaves room for the reply: ``max_tokens`` when given, else ``reply_room`` (or
+    ``min_tokens`` if more). Returns ``(prompt, token_ids, dropped)``, ``dropped`` counting
+    the non-system messages left out from the front.
+
+    System messages are always kept. Whole turns go: the kept messages after the cut start
+    with a user message (or are the last message alone), as chat templates expect. The last
+    message is never dropped; when even it (with the system messages) leaves less room than
+    wanted, it is sent alone and ``_fit_context`` then accepts it or refuses it as usual.
+    Dropping fewer messages never makes a prompt shorter, so the fewest drops that fit are
+    found by bisection: a handful of renders however long the conversation."""
+    limit = state.context_tokens
+    want = params.max_tokens if params.max_tokens is not None else max(
+        params.min_tokens, reply_room(limit))
+    others = [i for i, m in enumerate(messages) if m["role"] != "system"]
+    # the drop counts that start the kept messages at a turn: 0, each later user message,
+    # and (the most one can drop) everything but the last message
+    cuts = [d for d in range(len(others))
+            if d == 0 or d == len(others) - 1 or messages[others[d]]["role"] == "user"] or [0]
+    tried: dict[int, tuple[str, list[int] | None]] = {}
+
+    def attempt(d: int) -> tuple[str, list[int] | None]:
+        """The prompt without the first ``d`` non-system messages, and its token ids (None:
+        too many characters to fit, left untokenized)."""
+        if d not in tried:
+            start = others[d] if others else 0
+            kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
+            prompt = _render_chat(state, kept)
+            ids = None if len(prompt) > state.max_prompt_chars else state.tokenizer.encode(
+                prompt, add_special_tokens=False)
+            tried[d] = prompt, ids
+        return tried[d]
+
+    def fits(d: int) -> bool:
+        ids = attempt(d)[1]
+        return ids is not None and len(ids) + want <= limit
+
+    lo, hi = 0, len(cuts) - 1  # the answer is cuts[hi] if nothing fewer fits
+    if fits(cuts[0]):
+        hi = 0
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if fits(cuts[mid]):
+            hi = mid
+        else:
+            lo = mid
+    dropped = cuts[hi]
+    prompt, ids = attempt(dropped)
+    if ids is None:  # even the last message is too long: refused as without truncation
+        ids = _encode(state, prompt, "messages", add_special_tokens=False)
+    return prompt, ids, dropped
 
 
 def prepare_completion_request(body: dict[str, Any], state: ServerState

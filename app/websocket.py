@@ -4,9 +4,12 @@ Frame protocol (JSON text frames; the README's "Websocket chat" section has the 
 
 - client -> server: an OpenAI chat request (``messages``, ``max_tokens``, ``temperature``, ...;
   ``model`` may be left out) optionally tagged ``"type": "chat"``, or ``{"type": "cancel"}``.
+  ``"truncation": "auto"`` (as in OpenAI's Responses API; the default is ``"disabled"``) lets a
+  conversation too long for the context lose its oldest turns instead of failing.
 - server -> client, per turn: ``{"type": "delta", "id", "index", "text", "num_tokens"}`` frames,
   then exactly one terminal frame: ``{"type": "done", "id", "model", "finish_reason",
-  "choices", "usage"}`` or ``{"type": "error", "id", "error": {...}}``.
+  "choices", "usage"}`` (plus ``"dropped_messages"`` with truncation) or ``{"type": "error",
+  "id", "error": {...}}``.
 
 One turn runs at a time per socket, as its own task, so the reader keeps reading frames (a
 cancel, or the socket closing) while the reply streams. A cancel frame aborts the request in the
@@ -31,7 +34,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.metrics import RequestTracker
-from app.protocol import ApiError, PreparedRequest, prepare_chat_request
+from app.protocol import ApiError, PreparedRequest, bad_request, prepare_chat_request
 from app.serving import chat_logprobs, generate, usage
 from app.state import ServerState
 from core.outputs import CompletionOutput
@@ -47,8 +50,8 @@ _page_env = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
 async def chat_page(request: Request) -> Response:
     """The web chat page; it talks to the websocket below."""
     state = request.app.state.tidal
-    html = _page_env.get_template("chat.html").render(model=state.served_model_name,
-                                                      ws_path=WS_PATH)
+    html = _page_env.get_template("chat.html").render(
+        model=state.served_model_name, ws_path=WS_PATH, context_tokens=state.context_tokens)
     return HTMLResponse(html)
 
 
@@ -138,10 +141,17 @@ class ChatSocket:
                 "for its done frame", type="invalid_request_error", code="turn_in_flight"))
             return
         turn = Turn(id=f"chatcmpl-{uuid.uuid4().hex}")
+        truncation = body.pop("truncation", None)
+        if truncation not in (None, "auto", "disabled"):
+            await self.send_error(bad_request(
+                f"Invalid request: truncation: must be 'auto' or 'disabled', got "
+                f"{truncation!r}", "truncation"), turn.id)
+            return
         try:
             # a turn always streams, so stream_options apply whatever "stream" says
             prepared = prepare_chat_request(body | {"stream": True}, self.state,
-                                            require_model=False)
+                                            require_model=False,
+                                            truncate=truncation == "auto")
         except ApiError as exc:
             await self.send_error(exc, turn.id)
             return
@@ -231,10 +241,13 @@ class ChatSocket:
 
     def _done_frame(self, turn: Turn, prep: PreparedRequest) -> dict[str, Any]:
         reasons = [turn.finish_reasons.get(i, "abort") for i in range(prep.params.n)]
-        return {"type": "done", "id": turn.id, "model": prep.model, "finish_reason": reasons[0],
-                "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
-                "usage": usage(len(prep.prompt_token_ids), turn.num_tokens,
-                               turn.num_cached_tokens)}
+        frame = {"type": "done", "id": turn.id, "model": prep.model, "finish_reason": reasons[0],
+                 "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
+                 "usage": usage(len(prep.prompt_token_ids), turn.num_tokens,
+                                turn.num_cached_tokens)}
+        if prep.dropped_messages is not None:
+            frame["dropped_messages"] = prep.dropped_messages
+        return frame
 
     async def send_error(self, error: ApiError, turn_id: str | None = None) -> None:
         with contextlib.suppress(_SocketGone):

@@ -9,6 +9,7 @@ import itertools
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -19,8 +20,16 @@ from typing import Any
 import pytest
 import websockets
 
-from bench.processes import stop_process
-from tests.live_server import aborted, build_chat_model, running_server, wait_until_idle
+from app.chat_template import ChatTemplate
+from app.protocol import reply_room
+from bench.processes import LaunchedServer, stop_process
+from tests.live_server import (
+    DEVICE_ARGS,
+    aborted,
+    build_chat_model,
+    running_server,
+    wait_until_idle,
+)
 from tests.test_websocket_server import LONG, turn_frames, ws_url
 
 # A stuck stream must fail its test, not stall the suite.
@@ -260,3 +269,116 @@ async def test_page_stop_button_cancels_the_reply(server: str) -> None:
         await page.click("#new-chat")
         assert await page.evaluate("tidalChat.history.length") == 0
         assert await page.evaluate("document.querySelectorAll('.msg').length") == 0
+
+
+# -- the embedded model, as a newcomer meets it ------------------------------------------------
+# Ten messages a newcomer might type; together they outgrow the embedded model's 256-token
+# context whatever the replies (each exchange is at least 15 tokens, and the page leaves half
+# the context for the reply).
+NEWCOMER = [
+    "Tell me a joke",
+    "Tell me another joke, about a king and his fool.",
+    "What did the fool say to the king at supper?",
+    "And what did the queen think of all this?",
+    "Tell me about the weather in Verona in the spring.",
+    "Who is the bravest knight in all of England?",
+    "Sing me a short song about the sea and the moon.",
+    "What would Romeo say to Juliet at her window?",
+    "Tell me a story about a ghost in the castle.",
+    "Thank you, good night and farewell, my friend.",
+]
+
+
+class EmbeddedModelServer(LaunchedServer):
+    """``python -m app serve`` with no model: the embedded one."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "app", "serve", "--port", str(self.port),
+                *self.server_args]
+
+
+@pytest.fixture(scope="module")
+def embedded_server() -> Iterator[str]:
+    server = EmbeddedModelServer("", DEVICE_ARGS)
+    try:
+        server.wait_ready(300)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def served_model(base: str) -> dict:
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as resp:
+        (model,) = json.loads(resp.read())["data"]
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+async def test_page_defaults_chat_for_ten_turns_on_the_embedded_model(
+        embedded_server: str) -> None:
+    """The page as it opens, settings untouched: every message gets a reply, and once the
+    conversation outgrows the context the oldest turns are dropped, and the page says so."""
+    from transformers import AutoTokenizer
+
+    from core import DEFAULT_MODEL
+
+    context = served_model(embedded_server)["max_model_len"]
+    assert context == 256
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    template = ChatTemplate.for_tokenizer(tokenizer)
+
+    def prompt_tokens(messages: list[dict]) -> int:
+        return len(tokenizer.encode(template.render(messages), add_special_tokens=False))
+
+    async with open_page(embedded_server) as page:
+        assert await page.evaluate("tidalChat.contextTokens") == context
+        assert await page.evaluate("document.getElementById('max-tokens').value") == ""
+        assert await page.evaluate("document.getElementById('temperature').value") == "0.7"
+        dropped_ever = False
+        for turn, text in enumerate(NEWCOMER):
+            history = await page.evaluate("tidalChat.history")
+            start = await page.evaluate("tidalChat.contextStart")
+            sent = [*history[start:], {"role": "user", "content": text}]
+            await send_message(page, text)
+            await page.wait_for("document.querySelectorAll('.msg.assistant:not(.streaming)')"
+                                f".length === {turn + 1}", timeout=120)
+            reply = await page.evaluate(f"""(() => {{ const r = {LAST_REPLY};
+                return {{error: r.classList.contains('error'), reason: r.dataset.finishReason,
+                         text: r.querySelector('.bubble').textContent,
+                         meta: r.querySelector('.meta').textContent}}; }})()""")
+            assert not reply["error"], (turn, text, reply)
+            assert reply["reason"] in ("stop", "length") and "tokens" in reply["meta"], reply
+            history = await page.evaluate("tidalChat.history")
+            assert len(history) == 2 * turn + 2
+            assert history[-2:] == [{"role": "user", "content": text},
+                                    {"role": "assistant", "content": reply["text"]}]
+            # The server dropped the oldest turns exactly when what the page sent left less
+            # than the reply's room; the page stops sending them and says so.
+            new_start = await page.evaluate("tidalChat.contextStart")
+            outgrown = prompt_tokens(sent) + reply_room(context) > context
+            assert (new_start > start) == outgrown, (turn, start, new_start)
+            assert new_start % 2 == 0 and new_start <= 2 * turn
+            if outgrown:
+                assert prompt_tokens(sent[new_start - start:]) + reply_room(context) <= context
+            dropped_ever |= outgrown
+            note = await page.evaluate("""(() => { const n = document.getElementById(
+                'dropped-note'); return n && n.offsetParent !== null ? n.textContent : null;
+                })()""")
+            if dropped_ever:
+                assert note is not None and f"{context}-token context" in note, note
+                # the note sits right above the first message still sent, after the faded ones
+                assert await page.evaluate(
+                    "document.querySelectorAll('.msg.dropped').length") == new_start
+                assert await page.evaluate(
+                    "document.getElementById('dropped-note').nextElementSibling"
+                    ".classList.contains('user')")
+            else:
+                assert note is None
+        assert dropped_ever, "ten turns did not outgrow the context"
+        assert await page.evaluate("document.querySelectorAll('.msg.error').length") == 0
+        # New chat: the whole context again, and no note.
+        await page.click("#new-chat")
+        assert await page.evaluate("tidalChat.contextStart") == 0
+        assert await page.evaluate("document.getElementById('dropped-note')") is None

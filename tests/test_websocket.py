@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 from starlette.applications import Starlette
+from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 
+from app.chat_completions import chat_completions
 from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
+from app.protocol import ApiError, reply_room
 from app.state import ServerSettings, ServerState
 from app.websocket import chat_page, chat_websocket
 from core.async_engine import EngineDeadError
@@ -35,12 +38,15 @@ class ScriptedEngine:
     token and waits for ``abort`` (which ends the stream with ``finish_reason="abort"``) or
     for its consumer to leave."""
 
+    is_alive = True
+
     def __init__(self, hold: bool = False) -> None:
         self.hold = hold
         self.fail: str | None = None  # "dead": the engine is gone; "error": the request fails
         self.aborted: list[str] = []
         self.closed: list[str] = []
         self.started: list[str] = []
+        self.prompts: list[list[int]] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
     def abort(self, *request_ids: str) -> None:
@@ -54,6 +60,7 @@ class ScriptedEngine:
                        request_id: str, prompt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         self.started.append(request_id)
+        self.prompts.append(list(prompt_token_ids))
         self._abort_events[request_id] = event = asyncio.Event()
         if self.fail == "dead":
             raise EngineDeadError("the engine was shut down")
@@ -89,15 +96,22 @@ def tokenizer() -> Any:
     return build_tokenizer()
 
 
+async def _api_error(request: Any, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+
 def _client(tokenizer: Any, engine: ScriptedEngine, api_key: str | None = None,
-            max_request_bytes: int = 1 << 20) -> TestClient:
-    app = Starlette(routes=[Route("/", chat_page), WebSocketRoute(WS_PATH, chat_websocket)])
+            max_request_bytes: int = 1 << 20, max_model_len: int = 512) -> TestClient:
+    app = Starlette(routes=[Route("/", chat_page), WebSocketRoute(WS_PATH, chat_websocket),
+                            Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+                    exception_handlers={ApiError: _api_error})
     app.state.tidal = ServerState(
         engine=engine, tokenizer=tokenizer,
         settings=ServerSettings(served_model_name="tiny", api_key=api_key,
                                 max_request_bytes=max_request_bytes),
         metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
-        max_model_len=512, vocab_size=len(tokenizer), kv_capacity_tokens=4096,
+        max_model_len=max_model_len, vocab_size=len(tokenizer), kv_capacity_tokens=4096,
         max_num_seqs=8)
     return TestClient(app)
 
@@ -270,3 +284,142 @@ def test_scripted_page_is_served(tokenizer: Any) -> None:
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
     assert WS_PATH in resp.text and "tiny" in resp.text
     assert "http://" not in resp.text and "https://" not in resp.text  # nothing from the net
+
+
+# -- truncation: the oldest turns dropped to fit the context --------------------------------
+SMALL_CONTEXT = 256
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def _conversation(turns: int) -> list[dict]:
+    """``turns`` exchanges, then a new question; each exchange is about 50 tokens here."""
+    messages = []
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Question {i} about the weather"},
+                     {"role": "assistant", "content": f"Answer {i}: it is sunny"}]
+    return [*messages, {"role": "user", "content": "And tomorrow?"}]
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    prompt = ChatTemplate.for_tokenizer(tokenizer).render(messages)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_scripted_truncation_drops_the_oldest_turns_to_fit(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    conversation = _conversation(8)
+    request = {"messages": [SYSTEM, *conversation], "max_tokens": 8}
+    assert len(_prompt_ids(tokenizer, request["messages"])) + 8 > SMALL_CONTEXT
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        # Without truncation (the default, or "disabled") the request fails, as over HTTP.
+        for extra in ({}, {"truncation": "disabled"}):
+            ws.send_json(request | extra)
+            deltas, error = _turn(ws)
+            assert deltas == [] and error["type"] == "error", error
+            assert error["error"]["code"] == "context_length_exceeded", error
+        assert engine.started == []
+        ws.send_json(request | {"truncation": "auto"})
+        deltas, done = _turn(ws)
+    assert done["type"] == "done" and len(deltas) == 8, done
+    dropped = done["dropped_messages"]
+    assert 0 < dropped < len(conversation) - 1 and dropped % 2 == 0  # whole turns
+    # The engine got the system message and the newest turns, as few dropped as fit.
+    kept = _prompt_ids(tokenizer, [SYSTEM, *conversation[dropped:]])
+    assert engine.prompts == [kept] and done["usage"]["prompt_tokens"] == len(kept)
+    assert len(kept) + 8 <= SMALL_CONTEXT
+    assert len(_prompt_ids(tokenizer, [SYSTEM, *conversation[dropped - 2:]])) + 8 \
+        > SMALL_CONTEXT
+
+
+def test_scripted_truncation_without_max_tokens_leaves_room_for_a_reply(
+        tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    conversation = _conversation(4)
+    room = reply_room(SMALL_CONTEXT)
+    assert len(_prompt_ids(tokenizer, conversation)) + room > SMALL_CONTEXT
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": conversation, "truncation": "auto"})
+        deltas, done = _turn(ws)
+    dropped = done["dropped_messages"]
+    assert dropped > 0 and dropped % 2 == 0, done
+    num_prompt = done["usage"]["prompt_tokens"]
+    assert engine.prompts == [_prompt_ids(tokenizer, conversation[dropped:])]
+    assert num_prompt + room <= SMALL_CONTEXT
+    assert len(_prompt_ids(tokenizer, conversation[dropped - 2:])) + room > SMALL_CONTEXT
+    # the reply may use all the room left, as without truncation
+    assert done["usage"]["completion_tokens"] == len(deltas) == SMALL_CONTEXT - num_prompt
+
+
+def test_scripted_truncation_keeps_a_conversation_that_fits(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    messages = [SYSTEM, *_conversation(1)]
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": messages, "max_tokens": 3, "truncation": "auto"})
+        _, done = _turn(ws)
+        assert done["dropped_messages"] == 0
+        ws.send_json({"messages": messages, "max_tokens": 3})
+        _, plain = _turn(ws)
+        assert "dropped_messages" not in plain  # a frame without truncation is as before
+    assert engine.prompts == [_prompt_ids(tokenizer, messages)] * 2
+
+
+def test_scripted_truncation_cuts_before_a_user_message(tokenizer: Any) -> None:
+    """A conversation that opens with the assistant, two assistant messages in a row, a
+    system message midway: the cut drops whole turns, so the kept messages start with a user
+    message, and every system message stays."""
+    engine = ScriptedEngine()
+    note = {"role": "system", "content": "Answer in French."}
+    messages = [{"role": "assistant", "content": "Good morrow! Ask me about the weather."},
+                *_conversation(5)[:-1], note,
+                {"role": "assistant", "content": "Also: bring an umbrella, just in case."},
+                {"role": "user", "content": "Why?"}]
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": messages, "max_tokens": 60, "truncation": "auto"})
+        _, done = _turn(ws)
+    dropped = done["dropped_messages"]
+    others = [m for m in messages if m["role"] != "system"]
+    kept = [m for m in messages if m["role"] == "system" or m in others[dropped:]]
+    assert dropped > 0 and others[dropped]["role"] == "user" and note in kept, done
+    assert engine.prompts == [_prompt_ids(tokenizer, kept)]
+    assert len(engine.prompts[0]) + 60 <= SMALL_CONTEXT
+
+
+def test_scripted_truncation_cannot_shorten_the_last_message(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
+            client.websocket_connect(WS_PATH) as ws:
+        long = [*_conversation(2)[:-1], {"role": "user", "content": "why " * 100}]
+        ws.send_json({"messages": long, "truncation": "auto"})
+        _, error = _turn(ws)
+        assert error["type"] == "error" and error["error"]["code"] == "context_length_exceeded"
+        ws.send_json({"messages": HELLO, "truncation": "sometimes"})
+        _, error = _turn(ws)
+        assert error["type"] == "error" and error["error"]["param"] == "truncation", error
+        # When dropping every earlier turn still leaves less room than wanted, the last
+        # message goes alone and gets the room there is.
+        medium = [*_conversation(2)[:-1], {"role": "user", "content": "why " * 50}]
+        assert SMALL_CONTEXT - len(_prompt_ids(tokenizer, medium[-1:])) < reply_room(
+            SMALL_CONTEXT)
+        ws.send_json({"messages": medium, "truncation": "auto"})
+        _, done = _turn(ws)
+        assert done["type"] == "done" and done["dropped_messages"] == len(medium) - 1, done
+        assert engine.prompts == [_prompt_ids(tokenizer, medium[-1:])]
+        assert done["usage"]["total_tokens"] == SMALL_CONTEXT
+    assert len(engine.started) == 1
+
+
+def test_http_chat_completions_does_not_truncate(tokenizer: Any) -> None:
+    """OpenAI's chat completions refuse a conversation too long for the context with a 400;
+    so does /v1/chat/completions, "truncation" or not (it is a websocket field)."""
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client:
+        for extra in ({}, {"truncation": "auto"}):
+            resp = client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": _conversation(8), "max_tokens": 8} | extra)
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
+    assert engine.started == []
