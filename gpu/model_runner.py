@@ -200,8 +200,8 @@ class ModelRunner:
     def step_modes(self) -> Iterator[None]:
         """Hold the thread modes a step runs under, inference mode and (on the CPU) flushed
         denormals, for a run of steps on this thread. A step outside it enters and leaves
-        them itself: 20-30 us a step at batch 32 on the CPU, where the forward leaves the
-        caches cold."""
+        them itself, a cost worth saving on the CPU, where the forward leaves the caches
+        cold."""
         if self._modes_thread == threading.get_ident():
             yield  # already held further up
             return

@@ -3,9 +3,8 @@
 On the CPU every step allocates and frees many tensors of several MB (a layer's gathered KV
 context, prefill activations). With glibc's defaults, blocks that big on the main thread are
 mmap'd and unmapped on each use, or trimmed off the top of the heap when freed, so every step
-page-faults its working set back in: a batch-64 decode attention took 8.8 ms per layer that
-way, and 2.9 ms once freed memory stays in the heap. Raising glibc's mmap and trim
-thresholds keeps it there (the process holds on to its peak working set, as tcmalloc or
+page-faults its working set back in (docs/cpu-backend.md has what that cost). Raising glibc's
+mmap and trim thresholds keeps it there (the process holds on to its peak working set, as tcmalloc or
 jemalloc would).
 """
 

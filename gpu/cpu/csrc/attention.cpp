@@ -18,12 +18,8 @@
 // elements (PairedBf16Rows): one load and one shift or mask per 16 floats, where widening 16
 // halves takes four instructions.
 //
-// Per layer of a 30M Llama (8 heads, 4 KV heads of 64) on a 2-core AVX-512 host, float32:
-// 0.16-0.20 ms for 32 rows of 96 positions (in the CPU's caches), 2.4-3.3 ms for 128 rows of
-// 224 (a cache that no longer fits any cache level: the reads from memory set the pace, and
-// the host's load moves them). With one prefetch address per line and the lane shuffles built
-// at run time, the first took 0.19-0.24 ms and the second no less; without prefetching,
-// 0.15-0.17 and 2.9-3.2 ms (bench/decode_attention.py times the kernel).
+// bench/decode_attention.py times the kernel against the torch backend; docs/cpu-backend.md
+// keeps what was measured.
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
 // [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;

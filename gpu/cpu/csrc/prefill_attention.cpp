@@ -16,11 +16,8 @@
 // tiles past an item's last position are skipped, and only tiles that cross the diagonal are
 // masked.
 //
-// Against torch's fused attention over gathered copies, one call per request (the torch
-// backend's path), with 8 heads and 4 KV heads of 64 on a 2-core AVX-512 host
-// (bench/prefill_attention.py): a layer of a 2,048-token step of 13 fresh 64-256-token prompts
-// takes 2.8-2.9 ms against 5.5-5.9 (about 130 GFLOP/s of causal work against 65), and a
-// 192-token chunk after 1,800 cached positions 3.8-4.0 ms against 4.7-4.9 (about 190 GFLOP/s).
+// bench/prefill_attention.py times it against torch's fused attention over gathered copies,
+// one call per request (the torch backend's path).
 //
 // Shapes as in paged.h; query_start_loc [requests + 1] int32 (request r's rows are
 // query[query_start_loc[r]:query_start_loc[r + 1]]); requests [n] int64, the requests to
