@@ -4,8 +4,8 @@ On the CPU every step allocates and frees many tensors of several MB (a layer's 
 context, prefill activations). With glibc's defaults, blocks that big on the main thread are
 mmap'd and unmapped on each use, or trimmed off the top of the heap when freed, so every step
 page-faults its working set back in (docs/cpu-backend.md has what that cost). Raising glibc's
-mmap and trim thresholds keeps it there (the process holds on to its peak working set, as tcmalloc or
-jemalloc would).
+mmap and trim thresholds keeps it there (the process holds on to its peak working set, as
+tcmalloc or jemalloc would).
 """
 
 from __future__ import annotations
