@@ -9,9 +9,10 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Tokens per step when none is given. A CPU step costs about the same per token from a few
 # hundred tokens up (its matmuls are compute-bound by then), so a larger budget only lengthens
 # the step every running stream waits on: 2,048 stalled the short chats beside 2,000-token
-# prompts for half a second. Between 128 and 256 (README, "The token budget on a CPU"), 192
-# cut the median TTFT of 32 streams of short prompts by about a sixth against 256, where 128 made
-# 512-token prompts at the same concurrency wait 2.5x longer for their first token.
+# prompts for half a second. Between 128 and 256 (docs/scheduler.md, "The token budget on a
+# CPU"), 192 cut the median TTFT of 32 streams of short prompts by about a sixth against 256,
+# where 128 made 512-token prompts at the same concurrency wait 2.5x longer for their first
+# token.
 DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS = 192
 DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # Offline (``LLM``) no stream waits on a step, so on a CPU the budget only trades the number of
