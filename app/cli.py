@@ -73,6 +73,20 @@ def _default_model() -> str:
     return DEFAULT_MODEL
 
 
+def package_version() -> str:
+    """tidal's version: the installed package's, else the checkout's ``pyproject.toml``."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        return metadata.version("tidal")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) \
+            if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
@@ -80,66 +94,78 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tidal", description="tidal: a streaming LLM inference server with an "
         "OpenAI-compatible API.")
+    parser.add_argument("--version", action="version", version=f"tidal {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve", help="serve a model over HTTP (OpenAI API, SSE) and a websocket",
         description="Serve a model: POST /v1/chat/completions, POST /v1/completions, "
         "GET /v1/models, GET /health, GET /metrics, WS /v1/chat/ws and a chat page at /.",
         formatter_class=_DefaultsFormatter)
-    serve.add_argument("--model", default=None,
+
+    model = serve.add_argument_group("model")
+    model.add_argument("--model", default=None,
                        help="Hugging Face model directory to serve (default: the embedded "
                        f"model, served as '{DEFAULT_MODEL_NAME}')")
-    serve.add_argument("--served-model-name", default=None,
+    model.add_argument("--served-model-name", default=None,
                        help="model id that /v1/models lists and requests must name "
                        "(default: the --model value as given)")
-    serve.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind")
-    serve.add_argument("--device", default=defaults.device, help="'cpu', 'cuda' or 'cuda:N'")
-    serve.add_argument("--dtype", default=defaults.dtype,
+    model.add_argument("--dtype", default=defaults.dtype,
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and activation dtype; 'auto' is float32 on CPU and "
                        "bfloat16 on GPU")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
-                       help="most sequences in one batch")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int,
-                       default=None,
-                       help="most tokens (prefill chunks + decodes) in one step (default: 192 "
-                       "on CPU, 2048 on GPU)")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+    model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
                        "max_position_embeddings)")
-    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                       help="bytes of KV cache, e.g. 2GiB (default: 1 GiB on CPU; on GPU "
-                       "what --gpu-memory-utilization leaves)")
-    serve.add_argument("--gpu-memory-utilization", type=float,
-                       default=defaults.gpu_memory_utilization,
-                       help="fraction of GPU memory tidal may use when --kv-cache-memory "
-                       "is not given")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=defaults.enable_prefix_caching,
-                       help="reuse the KV cache of shared prompt prefixes")
-    serve.add_argument("--enforce-eager", action="store_true",
-                       help="GPU: run decode steps eagerly, without CUDA graphs")
-    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                       default=None, help="schedule step N+1 while step N runs on the device "
-                       "(default: on GPU only)")
-    serve.add_argument("--attention-backend", default=defaults.attention_backend,
-                       choices=["auto", "cpu", "torch", "triton"],
-                       help="'auto' is cpu (C++ decode kernels) on CPU and triton on GPU")
-    serve.add_argument("--cpu-kernels", default=None, choices=["auto", "force", "off"],
-                       help="CPU: 'auto' times tidal's kernels, oneDNN, MKL and torch for each "
-                       "op on this host and keeps the fastest (cached per machine); 'force' "
-                       "uses tidal's kernels; 'off' torch's own paths (default: "
-                       "$TIDAL_CPU_KERNELS, else auto)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer <key>' on /v1 requests")
-    serve.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                       help="origins whose web pages may call the API (CORS), e.g. "
-                       "http://localhost:3000, or '*' for any (default: none)")
-    serve.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
-                       help="largest request body accepted (larger ones get 413)")
-    serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"], help="logging level")
+
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind")
+
+    engine = serve.add_argument_group("engine and scheduler")
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
+                        help="most sequences in one batch")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                        help="most tokens (prefill chunks + decodes) in one step (default: 192 "
+                        "on CPU, 2048 on GPU)")
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="bytes of KV cache, e.g. 2GiB (default: 1 GiB on CPU; on GPU "
+                        "what --gpu-memory-utilization leaves)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching,
+                        help="reuse the KV cache of shared prompt prefixes")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="schedule step N+1 while step N runs on the device "
+                        "(default: on GPU only)")
+
+    device = serve.add_argument_group("device (CPU and GPU)")
+    device.add_argument("--device", default=defaults.device, help="'cpu', 'cuda' or 'cuda:N'")
+    device.add_argument("--attention-backend", default=defaults.attention_backend,
+                        choices=["auto", "cpu", "torch", "triton"],
+                        help="'auto' is cpu (C++ decode kernels) on CPU and triton on GPU")
+    device.add_argument("--cpu-kernels", default=None, choices=["auto", "force", "off"],
+                        help="CPU: 'auto' times tidal's kernels, oneDNN, MKL and torch for each "
+                        "op on this host and keeps the fastest (cached per machine); 'force' "
+                        "uses tidal's kernels; 'off' torch's own paths (default: "
+                        "$TIDAL_CPU_KERNELS, else auto)")
+    device.add_argument("--gpu-memory-utilization", type=float,
+                        default=defaults.gpu_memory_utilization,
+                        help="GPU: fraction of GPU memory tidal may use when --kv-cache-memory "
+                        "is not given")
+    device.add_argument("--enforce-eager", action="store_true",
+                        help="GPU: run decode steps eagerly, without CUDA graphs")
+
+    api = serve.add_argument_group("API and security")
+    api.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer <key>' on /v1 requests")
+    api.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                     help="origins whose web pages may call the API (CORS), e.g. "
+                     "http://localhost:3000, or '*' for any (default: none)")
+    api.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
+                     help="largest request body accepted (larger ones get 413)")
+
+    logs = serve.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info",
+                      choices=["debug", "info", "warning", "error"], help="logging level")
     return parser
 
 
@@ -177,8 +203,47 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port, allowed_origins=args.allowed_origins)
     app = build_app(engine, settings)
+    logger.info("%s", startup_banner(engine, settings))
     run_event_loop(_serve(app, settings, engine))
     return 0
+
+
+def base_url(settings: ServerSettings) -> str:
+    """The URL a client on this machine reaches the server at: a wildcard bind address is
+    reached at the loopback address."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(settings.host,
+                                                                      settings.host)
+    return f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
+
+
+def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
+    """What the server will do, once the engine is up: the model, device, dtype, context,
+    KV-cache capacity, batching, the kernels in use and the URLs."""
+    core = engine.core
+    config, runner = core.config, core.runner
+    arch = runner.model_config
+    tokens = core.kv.num_blocks * config.block_size
+    url = base_url(settings)
+    listen = (f" (listening on {settings.host or 'every address'}:{settings.port})"
+              if settings.host in ("0.0.0.0", "::", "") else "")
+    dtype = str(runner.dtype).removeprefix("torch.")
+    lines = [
+        f"tidal {package_version()} serving {settings.served_model_name}{listen}",
+        f"  model     {config.model} ({arch.architecture}, {arch.num_layers} layers, "
+        f"hidden {arch.hidden_size})",
+        f"  device    {config.device}, {dtype}",
+        f"  context   {core.max_model_len:,} tokens a request (prompt and reply)",
+        f"  KV cache  {tokens:,} tokens in {core.kv.num_blocks:,} blocks of {config.block_size}: "
+        f"{tokens // core.max_model_len:,} requests of the full context",
+        f"  batching  up to {config.max_num_seqs} sequences and {config.max_num_batched_tokens} "
+        f"tokens a step; prefix caching {'on' if config.enable_prefix_caching else 'off'}; "
+        f"async scheduling {'on' if config.async_scheduling else 'off'}",
+        f"  kernels   {runner.kernel_summary()}",
+        f"  API       {url}/v1",
+        f"  page      {url}/",
+        f"  metrics   {url}/metrics",
+    ]
+    return "\n".join(lines)
 
 
 def _hypercorn_config(settings: ServerSettings) -> Config:

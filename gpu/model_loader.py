@@ -66,6 +66,7 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
     """Plan every op, pack the linears as planned, and build the one-call decode step."""
     plans = plan_model(model, max_rows, max_seqs, plan_cache, timed)
     log_plans(plans)
+    model.cpu_plans = plans  # for the start-up banner (ModelRunner.kernel_summary)
     model.decode_stack = build_decode_stack(model)
     model.stack_rows = stack_rows(model, max_seqs)
     return plans

@@ -154,6 +154,26 @@ class ModelRunner:
                                            self.device)
         self.cuda_graphs.capture()
 
+    def kernel_summary(self) -> str:
+        """What runs the model's ops, in a line for the start-up banner."""
+        if self.device != "cpu":
+            graphs = ", CUDA graphs for decode steps" if self.cuda_graphs is not None else ""
+            return f"{self.backend.name} attention{graphs}"
+        mode = selector.mode()
+        if self._upgrade is not None:
+            return (f"--cpu-kernels {mode}: torch's paths while tidal's C++ kernels build in the "
+                    "background, then the kernels")
+        plans = getattr(self.model, "cpu_plans", None)
+        if plans is None:
+            return f"--cpu-kernels {mode}: torch's own paths ({self.dtype} is not packed)"
+        built = "C++ kernels loaded" if load_cpu_kernels() is not None else "no C++ kernels"
+        how = (f"{plans.measured} plans timed now" if plans.measured
+               else "plans from this host's cache" if mode == "auto" else "no timing")
+        rows = self.model.stack_rows
+        stack = (f"; one-call decode step at {sum(rows[1:])} of 1-{len(rows) - 1} rows"
+                 if self.model.decode_stack is not None else "")
+        return f"--cpu-kernels {mode} ({built}, {how}): {plans.summary()}{stack}"
+
     @property
     def backend(self) -> AttentionBackend:
         """The attention backend of the model that runs now."""

@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from app.chat_template import ChatTemplate
-from app.cli import build_parser, parse_bytes
+from app.cli import base_url, build_parser, package_version, parse_bytes
 from app.metrics import ServerMetrics
 from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
 from app.server import build_app
@@ -391,3 +391,35 @@ def test_cli_flags(model_dir: Path) -> None:
                  "--enable-prefix-caching", "--no-enable-prefix-caching", "--api-key",
                  "--served-model-name"):
         assert flag in help_text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tidal --version`` prints the package's version, the one pyproject.toml declares."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
+    assert package_version() == declared.group(1)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tidal {declared.group(1)}"
+
+
+def test_serve_help_groups_flags_by_topic() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
+    assert groups["model"] == ["model", "served_model_name", "dtype", "max_model_len"]
+    assert groups["server"] == ["host", "port"]
+    assert "max_num_batched_tokens" in groups["engine and scheduler"]
+    assert {"device", "cpu_kernels", "enforce_eager"} <= set(groups["device (CPU and GPU)"])
+    assert groups["API and security"] == ["api_key", "allowed_origins", "max_request_bytes"]
+    assert groups["logging"] == ["log_level"]
+
+
+def test_banner_urls() -> None:
+    def url(host: str) -> str:
+        return base_url(ServerSettings(served_model_name="m", host=host, port=8000))
+
+    assert url("127.0.0.1") == "http://127.0.0.1:8000"
+    assert url("0.0.0.0") == "http://127.0.0.1:8000"  # a wildcard bind: reached on loopback
+    assert url("::") == "http://[::1]:8000"
+    assert url("example.internal") == "http://example.internal:8000"

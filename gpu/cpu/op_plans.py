@@ -48,6 +48,14 @@ class ModelPlans:
         return "\n".join(f"  {name:{width}s}  {plan.describe()}"
                          for name, plan in sorted(self.plans.items()))
 
+    def summary(self) -> str:
+        """One line: the candidates each kind of op uses at some row count (every linear shape
+        together), e.g. ``linear: mkl, panels; rms_norm: tidal; decode_attention: tidal``."""
+        used: dict[str, set[str]] = {}
+        for name, plan in self.plans.items():
+            used.setdefault(name.split(" ")[0], set()).update(plan.used())
+        return "; ".join(f"{op}: {', '.join(sorted(names))}" for op, names in sorted(used.items()))
+
 
 def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
                cache: PlanCache | None = None, timed: bool = True) -> ModelPlans:
