@@ -203,7 +203,10 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port, allowed_origins=args.allowed_origins)
     app = build_app(engine, settings)
-    logger.info("%s", startup_banner(engine, settings))
+    try:
+        logger.info("%s", startup_banner(engine, settings))
+    except Exception:  # a log line never stops the server
+        logger.exception("the start-up banner failed")
     run_event_loop(_serve(app, settings, engine))
     return 0
 
