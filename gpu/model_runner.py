@@ -167,10 +167,10 @@ class ModelRunner:
         if plans is None:
             return f"--cpu-kernels {mode}: torch's own paths ({self.dtype} is not packed)"
         built = "C++ kernels loaded" if load_cpu_kernels() is not None else "no C++ kernels"
-        how = {"auto": f"{plans.measured} plans timed now" if plans.measured
-               else "plans from this host's cache",
-               "force": "tidal's kernels wherever they apply, untimed",
-               "off": "torch's own paths, untimed"}[mode]
+        how = (f"{plans.measured} plans timed now" if plans.measured
+               else "plans from this host's cache" if plans.timed
+               else {"force": "tidal's kernels wherever they apply, untimed",
+                     "off": "torch's own paths, untimed"}.get(mode, "defaults, untimed"))
         rows = self.model.stack_rows
         stack = (f"; one-call decode step at {sum(rows[1:])} of 1-{len(rows) - 1} rows"
                  if self.model.decode_stack is not None else "")
