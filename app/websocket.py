@@ -1,6 +1,6 @@
 """The websocket chat at ``/v1/chat/ws`` and the web chat page at ``/``.
 
-Frame protocol (JSON text frames; the README's "Websocket chat" section has the details):
+Frame protocol (JSON text frames; docs/api.md's "The websocket chat" section has the details):
 
 - client -> server: an OpenAI chat request (``messages``, ``max_tokens``, ``temperature``, ...;
   ``model`` may be left out) optionally tagged ``"type": "chat"``, or ``{"type": "cancel"}``.

@@ -70,3 +70,31 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     reference = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=128,
                                         cpu_kernels="off"))
     assert tokens == _greedy(reference, prompt, 12)
+
+
+def test_a_build_lock_left_by_a_dead_builder_is_cleared(monkeypatch, tmp_path) -> None:
+    """A server killed during its first build leaves torch's lock; the next start must not
+    wait on it forever. A lock whose builder is alive, or one too fresh to judge, stays."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path)
+    lock, owner = tmp_path / "lock", tmp_path / kernels.BUILDER_FILE
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    lock.touch()
+    owner.write_text(str(os.getpid()))  # alive: its build goes on
+    kernels._clear_stale_lock()
+    assert lock.exists()
+    owner.write_text(dead)
+    kernels._clear_stale_lock()
+    assert not lock.exists()
+    lock.touch()
+    owner.unlink()  # nobody claims it, and it is fresh
+    kernels._clear_stale_lock()
+    assert lock.exists()
+    old = lock.stat().st_mtime - kernels.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock()
+    assert not lock.exists()

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -124,10 +125,14 @@ def _build_and_load() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     _put_interpreter_bin_on_path()
+    _clear_stale_lock()
     built = is_built()
     logger.info("%s the C++ CPU kernels for -march=%s", "loading" if built else
                 "building (once per machine)", target_isa())
+    owner = _build_dir() / BUILDER_FILE
     try:
+        owner.parent.mkdir(parents=True, exist_ok=True)
+        owner.write_text(str(os.getpid()))
         return load(name=build_name(), sources=[str(path) for path in SOURCES],
                     extra_cflags=["-O3", f"-march={target_isa()}", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
@@ -135,6 +140,41 @@ def _build_and_load() -> ModuleType | None:
         logger.warning("C++ CPU kernels unavailable, using plain torch: %s",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+    finally:
+        owner.unlink(missing_ok=True)
+
+
+BUILDER_FILE = "tidal-builder.pid"  # the process building, beside torch's build lock
+STALE_LOCK_SECONDS = 1800  # a lock no process of ours claims is stale after this long
+
+
+def _build_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(build_name(), verbose=False))
+
+
+def _clear_stale_lock() -> None:
+    """Remove torch's build lock when the process that took it is gone. A build cut short (a
+    server stopped during its first start) leaves the lock behind, and torch's builder would
+    wait for it forever."""
+    lock = _build_dir() / "lock"
+    if not lock.exists():
+        return
+    owner = lock.with_name(BUILDER_FILE)
+    try:
+        pid = int(owner.read_text())
+        os.kill(pid, 0)
+        return  # its builder is alive: wait for it
+    except (OSError, ValueError):
+        pass
+    try:
+
+        if owner.exists() or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            logger.warning("removing a stale build lock left by a build cut short: %s", lock)
+            lock.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _put_interpreter_bin_on_path() -> None:
@@ -164,7 +204,4 @@ def build_name() -> str:
 def is_built() -> bool:
     """Whether this machine has a finished build of the kernels, so loading them takes seconds
     rather than a compile."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = build_name()
-    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    return (_build_dir() / f"{build_name()}.so").is_file()
