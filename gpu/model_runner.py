@@ -196,6 +196,8 @@ class ModelRunner:
         self.model = model
         kernels = load_cpu_kernels()
         self._decode_inputs = kernels.decode_inputs if kernels is not None else None
+        if kernels is not None:  # the step modes were entered before the kernels were there
+            kernels.flush_denormals_in_pool()
         logger.info("the C++ CPU kernels are built: serving on them from this step")
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
