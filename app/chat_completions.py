@@ -7,8 +7,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app.errors import ApiError
 from app.metrics import RequestTracker
-from app.protocol import ApiError, PreparedRequest, prepare_chat_request
+from app.protocol import PreparedRequest, prepare_chat_request
 from app.serving import chat_logprobs, generate, read_request, usage
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState

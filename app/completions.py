@@ -9,8 +9,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app.errors import ApiError
 from app.metrics import RequestTracker
-from app.protocol import ApiError, PreparedCompletion, prepare_completion_request
+from app.protocol import PreparedCompletion, prepare_completion_request
 from app.serving import (
     completion_logprobs,
     generate,

@@ -1,7 +1,7 @@
 """The OpenAI request schemas, their validation, and their translation into engine requests.
 
-Every way a request can be wrong ends as an ``ApiError`` that names the offending field
-(``param``) in OpenAI's error shape. ``prepare_chat_request`` and
+Every way a request can be wrong ends as an ``ApiError`` (``app/errors.py``) that names the
+offending field (``param``) in OpenAI's error shape. ``prepare_chat_request`` and
 ``prepare_completion_request`` turn a parsed JSON body into token ids and ``SamplingParams``
 ready for ``AsyncEngine.generate``.
 """
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.chat_template import ChatTemplateError
+from app.conversation import encode_prompt, fit_conversation, render_chat
+from app.errors import ApiError, bad_request
 from core.chat_messages import content_text
 from core.sampling_params import SamplingParams
 
@@ -29,33 +30,6 @@ MAX_LOGPROBS = 20
 # share of that work stays small beside everyone else's step.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
-
-
-# -- errors ---------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An error the client gets as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.code = code
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 413: "invalid_request_error",
-                503: "service_unavailable"}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code=code)
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -251,7 +225,8 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     ``SamplingParams``. Raises ``ApiError`` naming the field at fault.
 
     With ``truncate`` (the websocket chat's ``"truncation": "auto"``), a conversation too long
-    for the context loses its oldest turns instead of failing: see ``_fit_conversation``."""
+    for the context loses its oldest turns instead of failing: see
+    ``conversation.fit_conversation``."""
     if not require_model and body.get("model") is None:
         body = {**body, "model": state.served_model_name}
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
@@ -274,10 +249,10 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
                                   "max_tokens": max_field, "logprobs": "top_logprobs"})
     dropped = None
     if truncate:
-        prompt, token_ids, dropped = _fit_conversation(state, messages, params)
+        prompt, token_ids, dropped = fit_conversation(state, messages, params)
     else:
-        prompt = _render_chat(state, messages)
-        token_ids = _encode(state, prompt, "messages", add_special_tokens=False)
+        prompt = render_chat(state, messages)
+        token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")
     return PreparedRequest(
@@ -285,75 +260,6 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
         dropped_messages=dropped)
-
-
-def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
-    try:
-        return state.chat_template.render(messages)
-    except ChatTemplateError as exc:
-        raise bad_request(f"The chat template rejected the messages: {exc}",
-                          "messages") from None
-
-
-def reply_room(context_tokens: int) -> int:
-    """The tokens a truncated conversation leaves for a reply without ``max_tokens``: half
-    the context, at most 4,096."""
-    return min(context_tokens // 2, 4096)
-
-
-def _fit_conversation(state: ServerState, messages: list[dict[str, str]],
-                      params: SamplingParams) -> tuple[str, list[int], int]:
-    """The conversation's prompt and token ids once its oldest turns are dropped until the
-    prompt leaves room for the reply: ``max_tokens`` when given, else ``reply_room`` (or
-    ``min_tokens`` if more). Returns ``(prompt, token_ids, dropped)``, ``dropped`` counting
-    the non-system messages left out from the front.
-
-    System messages are always kept. Whole turns go: the kept messages after the cut start
-    with a user message (or are the last message alone), as chat templates expect. The last
-    message is never dropped; when even it (with the system messages) leaves less room than
-    wanted, it is sent alone and ``_fit_context`` then accepts it or refuses it as usual.
-    Dropping fewer messages never makes a prompt shorter, so the fewest drops that fit are
-    found by bisection: a handful of renders however long the conversation."""
-    limit = state.context_tokens
-    want = params.max_tokens if params.max_tokens is not None else max(
-        params.min_tokens, reply_room(limit))
-    others = [i for i, m in enumerate(messages) if m["role"] != "system"]
-    # the drop counts that start the kept messages at a turn: 0, each later user message,
-    # and (the most one can drop) everything but the last message
-    cuts = [d for d in range(len(others))
-            if d == 0 or d == len(others) - 1 or messages[others[d]]["role"] == "user"] or [0]
-    tried: dict[int, tuple[str, list[int] | None]] = {}
-
-    def attempt(d: int) -> tuple[str, list[int] | None]:
-        """The prompt without the first ``d`` non-system messages, and its token ids (None:
-        too many characters to fit, left untokenized)."""
-        if d not in tried:
-            start = others[d] if others else 0
-            kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
-            prompt = _render_chat(state, kept)
-            ids = None if len(prompt) > state.max_prompt_chars else state.tokenizer.encode(
-                prompt, add_special_tokens=False)
-            tried[d] = prompt, ids
-        return tried[d]
-
-    def fits(d: int) -> bool:
-        ids = attempt(d)[1]
-        return ids is not None and len(ids) + want <= limit
-
-    lo, hi = 0, len(cuts) - 1  # the answer is cuts[hi] if nothing fewer fits
-    if fits(cuts[0]):
-        hi = 0
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        if fits(cuts[mid]):
-            hi = mid
-        else:
-            lo = mid
-    dropped = cuts[hi]
-    prompt, ids = attempt(dropped)
-    if ids is None:  # even the last message is too long: refused as without truncation
-        ids = _encode(state, prompt, "messages", add_special_tokens=False)
-    return prompt, ids, dropped
 
 
 def prepare_completion_request(body: dict[str, Any], state: ServerState
@@ -365,7 +271,7 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     for i, prompt in enumerate(req.prompt):
         param = "prompt" if len(req.prompt) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            ids = _encode(state, prompt, param)
+            ids = encode_prompt(state, prompt, param)
             prompts.append(PromptInput(prompt, ids))
         else:
             _check_token_ids(state, prompt, param)
@@ -442,17 +348,6 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
                               f"[0, {state.vocab_size})", "logit_bias")
         out[token_id] = value
     return out
-
-
-def _encode(state: ServerState, text: str, param: str, add_special_tokens: bool = True
-            ) -> list[int]:
-    """The prompt's token ids; a prompt too long for the context in any tokenization is
-    refused first, without tokenizing it."""
-    if len(text) > state.max_prompt_chars:
-        raise bad_request(
-            f"The prompt has {len(text)} characters, more than this model's context of "
-            f"{state.context_tokens} tokens can hold", param, code="context_length_exceeded")
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:

@@ -23,8 +23,8 @@ from starlette.routing import Route, WebSocketRoute
 
 from app.chat_completions import chat_completions
 from app.completions import completions
+from app.errors import ApiError
 from app.metrics import CONTENT_TYPE
-from app.protocol import ApiError
 from app.serving import check_api_key, get_state
 from app.state import ServerSettings, ServerState
 from app.websocket import chat_page, chat_websocket

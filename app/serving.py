@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from app.protocol import ApiError, parse_json_body
+from app.errors import ApiError
+from app.protocol import parse_json_body
 from app.state import ServerState
 from core.async_engine import EngineDeadError
 from core.outputs import RequestOutput

@@ -33,8 +33,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from app.errors import ApiError, bad_request
 from app.metrics import RequestTracker
-from app.protocol import ApiError, PreparedRequest, bad_request, prepare_chat_request
+from app.protocol import PreparedRequest, prepare_chat_request
 from app.serving import chat_logprobs, generate, usage
 from app.state import ServerState
 from core.outputs import CompletionOutput

@@ -14,8 +14,9 @@ from starlette.testclient import TestClient
 
 from app.chat_template import ChatTemplate
 from app.cli import base_url, build_parser, package_version, parse_bytes
+from app.errors import ApiError
 from app.metrics import ServerMetrics
-from app.protocol import ApiError, prepare_chat_request, prepare_completion_request
+from app.protocol import prepare_chat_request, prepare_completion_request
 from app.server import build_app
 from app.serving import chat_logprobs, completion_logprobs
 from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event

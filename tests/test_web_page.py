@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from app.chat_template import ChatTemplate
-from app.protocol import reply_room
+from app.conversation import reply_room
 from bench.processes import LaunchedServer, stop_process
 from tests.live_server import (
     DEVICE_ARGS,

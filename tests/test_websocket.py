@@ -17,8 +17,9 @@ from starlette.testclient import TestClient
 
 from app.chat_completions import chat_completions
 from app.chat_template import ChatTemplate
+from app.conversation import reply_room
+from app.errors import ApiError
 from app.metrics import ServerMetrics
-from app.protocol import ApiError, reply_room
 from app.state import ServerSettings, ServerState
 from app.websocket import chat_page, chat_websocket
 from core.async_engine import EngineDeadError

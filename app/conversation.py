@@ -1,0 +1,94 @@
+"""A chat's prompt: the conversation rendered through the model's chat template and tokenized,
+and, for the websocket chat's ``"truncation": "auto"``, fitted to the context by dropping its
+oldest turns."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from app.chat_template import ChatTemplateError
+from app.errors import bad_request
+from core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from app.state import ServerState
+
+
+def encode_prompt(state: ServerState, text: str, param: str, add_special_tokens: bool = True
+            ) -> list[int]:
+    """The prompt's token ids; a prompt too long for the context in any tokenization is
+    refused first, without tokenizing it."""
+    if len(text) > state.max_prompt_chars:
+        raise bad_request(
+            f"The prompt has {len(text)} characters, more than this model's context of "
+            f"{state.context_tokens} tokens can hold", param, code="context_length_exceeded")
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+    try:
+        return state.chat_template.render(messages)
+    except ChatTemplateError as exc:
+        raise bad_request(f"The chat template rejected the messages: {exc}",
+                          "messages") from None
+
+
+def reply_room(context_tokens: int) -> int:
+    """The tokens a truncated conversation leaves for a reply without ``max_tokens``: half
+    the context, at most 4,096."""
+    return min(context_tokens // 2, 4096)
+
+
+def fit_conversation(state: ServerState, messages: list[dict[str, str]],
+                      params: SamplingParams) -> tuple[str, list[int], int]:
+    """The conversation's prompt and token ids once its oldest turns are dropped until the
+    prompt leaves room for the reply: ``max_tokens`` when given, else ``reply_room`` (or
+    ``min_tokens`` if more). Returns ``(prompt, token_ids, dropped)``, ``dropped`` counting
+    the non-system messages left out from the front.
+
+    System messages are always kept. Whole turns go: the kept messages after the cut start
+    with a user message (or are the last message alone), as chat templates expect. The last
+    message is never dropped; when even it (with the system messages) leaves less room than
+    wanted, it is sent alone and ``protocol._fit_context`` then accepts it or refuses it as usual.
+    Dropping fewer messages never makes a prompt shorter, so the fewest drops that fit are
+    found by bisection: a handful of renders however long the conversation."""
+    limit = state.context_tokens
+    want = params.max_tokens if params.max_tokens is not None else max(
+        params.min_tokens, reply_room(limit))
+    others = [i for i, m in enumerate(messages) if m["role"] != "system"]
+    # the drop counts that start the kept messages at a turn: 0, each later user message,
+    # and (the most one can drop) everything but the last message
+    cuts = [d for d in range(len(others))
+            if d == 0 or d == len(others) - 1 or messages[others[d]]["role"] == "user"] or [0]
+    tried: dict[int, tuple[str, list[int] | None]] = {}
+
+    def attempt(d: int) -> tuple[str, list[int] | None]:
+        """The prompt without the first ``d`` non-system messages, and its token ids (None:
+        too many characters to fit, left untokenized)."""
+        if d not in tried:
+            start = others[d] if others else 0
+            kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
+            prompt = render_chat(state, kept)
+            ids = None if len(prompt) > state.max_prompt_chars else state.tokenizer.encode(
+                prompt, add_special_tokens=False)
+            tried[d] = prompt, ids
+        return tried[d]
+
+    def fits(d: int) -> bool:
+        ids = attempt(d)[1]
+        return ids is not None and len(ids) + want <= limit
+
+    lo, hi = 0, len(cuts) - 1  # the answer is cuts[hi] if nothing fewer fits
+    if fits(cuts[0]):
+        hi = 0
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if fits(cuts[mid]):
+            hi = mid
+        else:
+            lo = mid
+    dropped = cuts[hi]
+    prompt, ids = attempt(dropped)
+    if ids is None:  # even the last message is too long: refused as without truncation
+        ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
+    return prompt, ids, dropped
