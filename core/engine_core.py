@@ -22,12 +22,17 @@ from core.outputs import RequestOutput
 from core.request import Request, RequestStatus
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler, SchedulerConfig
+from core.scheduler_output import SchedulerOutput
 from core.step_profiler import StepProfiler
+from core.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from gpu.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
+# how long a step with nothing to run waits for a grammar to compile: new requests and aborts
+# wait as long to be taken in
+GRAMMAR_POLL_SECONDS = 0.01
 
 
 @dataclass
@@ -55,10 +60,12 @@ class EngineCore:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             async_scheduling=bool(config.async_scheduling),
-            attention_cost_context=self.runner.attention_cost_context), self.kv)
+            attention_cost_context=self.runner.attention_cost_context), self.kv, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
         self.runner.profiler = self.profiler
@@ -140,14 +147,32 @@ class EngineCore:
         prof = self.profiler
         prof.start()
         sched = self.scheduler.schedule()
+        self._finished_elsewhere += self.scheduler.take_grammar_failures()
         prof.lap("schedule")
+        if sched.is_empty and self._in_flight is None:
+            self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
+        early = self._fill_grammar_bitmask(sched)
         handle = self.runner.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.config.async_scheduling:
             previous = self._in_flight
             self._in_flight = None if sched.is_empty else handle
-            return self._process(previous)
-        return self._process(handle)
+            return early + self._process(previous)
+        return early + self._process(handle)
+
+    def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """The bitmask of the constrained rows this step samples. Their matchers must first
+        take the tokens of the step in flight (async scheduling), so that step is processed
+        now, before this one launches; its outputs are returned."""
+        if not sched.structured_req_ids:
+            return []
+        early = []
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            early = self._process(previous)
+        sched.grammar_bitmask = self.structured.bitmask(sched.structured_req_ids)
+        self.profiler.lap("grammar")
+        return early
 
     def step_modes(self) -> contextlib.AbstractContextManager[None]:
         """Hold the device's step modes on this thread for a run of steps, rather than

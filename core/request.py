@@ -14,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every finished state orders after PREEMPTED."""
 
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # queued while its structured-output grammar compiles
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

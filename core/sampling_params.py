@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from core.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # A seed is what torch's generators take: any 64-bit pattern, signed or not.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -41,6 +43,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # False: token ids only, no text (offline use that wants ids, as HF ``generate`` gives)
     detokenize: bool = True
+    # what the output must match (a JSON schema, a regex, a grammar, ...); None: anything
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +91,9 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             _check_int("logit_bias", token_id, lo=0, note=" (keys are token ids)")
             _check_range("logit_bias", bias, -100.0, 100.0)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -14,11 +14,15 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from core.kv_cache_manager import KVCacheManager
 from core.outputs import TokenLogprobs
 from core.request import Request, RequestStatus
 from core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from core.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -44,14 +48,17 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.structured = structured
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
+        self._grammar_failures: list[Request] = []  # finished since the last take
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> str | None:
@@ -63,12 +70,18 @@ class Scheduler:
             return error
         request.max_output_tokens = min(request.max_output_tokens,
                                         self.config.max_model_len - request.num_prompt_tokens)
+        if request.sampling_params.structured_outputs is not None:
+            assert self.structured is not None  # _never_fits refuses it otherwise
+            self.structured.add(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return None
 
     def _never_fits(self, request: Request) -> str | None:
         max_len = self.config.max_model_len
+        if request.sampling_params.structured_outputs is not None and self.structured is None:
+            return "structured outputs are not available in this engine"
         if request.num_prompt_tokens == 0:
             return "the prompt is empty"
         if request.num_prompt_tokens >= max_len:
@@ -97,6 +110,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_grammar_failures(self) -> list[Request]:
+        """Requests finished with an error because their grammar did not compile."""
+        failed, self._grammar_failures = self._grammar_failures, []
+        return failed
 
     def has_finished_to_report(self) -> bool:
         """Finished requests the runner has not been told of by a ``schedule()`` yet."""
@@ -143,6 +161,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            structured_req_ids=self._constrained_sampling(num_scheduled),
         )
         self._finished_ids = set()
         return output
@@ -154,6 +173,22 @@ class Scheduler:
         if (self.config.async_scheduling and request.num_computed_tokens
                 >= request.num_tokens + request.num_output_placeholders):
             request.num_output_placeholders += 1
+
+    def _constrained_sampling(self, num_scheduled: dict[str, int]) -> list[str]:
+        """The constrained requests this step samples a token for (their whole known context
+        is computed by it), in batch order."""
+        if self.structured is None or not self.structured.num_live:
+            return []
+        requests = self.requests
+        out = []
+        for req_id in num_scheduled:
+            request = requests[req_id]
+            if (request.sampling_params.structured_outputs is not None
+                    and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders
+                    - (1 if self.config.async_scheduling else 0)):
+                out.append(req_id)
+        return out
 
     def _chunk(self, wanted: int, num_computed: int, budget: int) -> tuple[int, int]:
         """(tokens to schedule, what they cost of the budget) of ``wanted`` new tokens after
@@ -204,8 +239,38 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new: list[NewRequestData]) -> int:
+        """Admit waiting requests in order; those whose grammar is still compiling keep their
+        place without holding up the ones behind them."""
+        compiling: list[Request] = []
+        try:
+            return self._admit(budget, num_scheduled, new, compiling)
+        finally:
+            self.waiting.extendleft(reversed(compiling))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted; one whose grammar failed is finished."""
+        if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        assert self.structured is not None
+        ready = self.structured.resolve(request)
+        if ready is True:
+            request.status = RequestStatus.WAITING
+            return True
+        if ready is not False:  # the compile's error
+            self.waiting.popleft()
+            request.error = str(ready)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._grammar_failures.append(request)
+        return False
+
+    def _admit(self, budget: int, num_scheduled: dict[str, int], new: list[NewRequestData],
+               compiling: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                if self.waiting and self.waiting[0] is request:
+                    compiling.append(self.waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 break  # preempted while a step was in flight: resume once its token is in
             hits, num_hit = self.kv.get_computed_blocks(request)
@@ -243,9 +308,12 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             finished = False
-            if (token_id in request.stop_token_set
+            grammar_done = (self.structured is not None
+                            and self.structured.accept(req_id, token_id))
+            if (grammar_done or token_id in request.stop_token_set
                     or request.num_output_tokens >= request.max_output_tokens):
-                status = self._stop_status(request, token_id)
+                status = self._stop_status(request, token_id) or (
+                    RequestStatus.FINISHED_STOPPED if grammar_done else None)
                 if status is not None:
                     self._dequeue(request)
                     self._finish(request, status)
@@ -276,5 +344,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        if self.structured is not None:
+            self.structured.remove(request.request_id)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]

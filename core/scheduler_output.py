@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from core.outputs import TokenLogprobs
 from core.sampling_params import SamplingParams
 
@@ -23,6 +25,15 @@ class NewRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The allowed next tokens of a step's constrained rows: bit ``t % 32`` of word ``t // 32``
+    of a row is set when token ``t`` may come next."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab / 32)]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     # Blocks added to requests the runner already holds. Nothing else about them is sent: the
@@ -32,6 +43,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # to drop from the batch
     preempted_req_ids: set[str] = field(default_factory=set)
+    structured_req_ids: list[str] = field(default_factory=list)  # constrained rows sampled
+    grammar_bitmask: GrammarBitmask | None = None  # theirs, filled between schedule and sample
 
     @property
     def is_empty(self) -> bool:

@@ -6,7 +6,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update", "detokenize", "post")
+PHASES = ("schedule", "grammar", "prepare_inputs", "forward", "sample", "update", "detokenize",
+          "post")
 
 
 @dataclass

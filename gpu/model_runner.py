@@ -23,7 +23,7 @@ from gpu.cuda_graphs import CudaGraphRunner
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype
-from gpu.sampler import Sampler
+from gpu.sampler import Sampler, apply_grammar_bitmask
 from gpu.sampling_metadata import build_sampling_metadata
 from gpu.step_handle import StepHandle
 from gpu.step_inputs import StepInputs, TokenLayout, advance
@@ -264,11 +264,12 @@ class ModelRunner:
         meta = build_sampling_metadata(self.batch, inputs.sampling_states,
                                        self.model_config.vocab_size, logits.device,
                                        in_flight=(self._last_sampled, self._last_index))
+        req_ids = [state.req_id for state in inputs.sampling_states]
+        if sched.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, sched.grammar_bitmask, req_ids)
         sampled = self.sampler(logits, meta)
-        req_ids = []
         for state in inputs.sampling_states:
             state.num_pending += 1
-            req_ids.append(state.req_id)
         self._last_sampled = sampled.sampled_token_ids
         self._last_index = dict(zip(req_ids, range(len(req_ids))))
         prof.lap("sample")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from core.scheduler_output import GrammarBitmask
 from gpu.cpu.kernels import load_cpu_kernels
 from gpu.sampling_metadata import Penalties, RandomRows, SamplingMetadata
 
@@ -46,6 +48,25 @@ class Sampler:
         top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1).indices
         token_ids = torch.cat([sampled[:, None], top], dim=1)
         return SamplerOutput(sampled, token_ids, raw_logprobs.gather(1, token_ids))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask,
+                          row_req_ids: list[str]) -> None:
+    """Set to -inf the logits of the tokens each constrained row's grammar does not allow
+    next; ``row_req_ids`` names the request of each row of ``logits``. Runs before every other
+    logits edit, so temperature, top-k/p and penalties only see allowed tokens."""
+    import xgrammar as xgr  # imported by the compile of the grammar that made the bitmask
+
+    index = {req_id: i for i, req_id in enumerate(row_req_ids)}
+    full = np.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=np.int32)
+    for req_id, row in zip(grammar.req_ids, grammar.bitmask):
+        i = index.get(req_id)
+        if i is not None:
+            full[i] = row
+    mask = torch.from_numpy(full)
+    if not logits.is_cpu:
+        mask = mask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1])
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""The engine's side of constrained decoding: each constrained request's grammar compiles off
+the engine thread while the request waits (``WAITING_FOR_GRAMMAR``); once it is running, every
+step that samples it fills its row of the token bitmask from its matcher, and every token it
+accepts advances the matcher, in order."""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING, Any
+
+from core.request import Request
+from core.scheduler_output import GrammarBitmask
+from core.structured_output.compiler import GrammarCompiler, GrammarError
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size = vocab_size
+        self._pending: dict[str, Future] = {}  # request id -> its grammar, compiling
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request id -> running matcher
+        self._batcher: xgr.BatchGrammarMatcher | None = None
+
+    @property
+    def num_live(self) -> int:
+        """Matchers and compiles held for unfinished requests (0 once all are done)."""
+        return len(self._pending) + len(self._matchers)
+
+    def add(self, request: Request) -> None:
+        spec = request.sampling_params.structured_outputs
+        assert spec is not None
+        self._pending[request.request_id] = self.compiler.submit(spec)
+
+    def resolve(self, request: Request) -> bool | GrammarError:
+        """Whether ``request``'s grammar is ready (its matcher then made and replayed over any
+        output it already has), or the error it failed with."""
+        req_id = request.request_id
+        if req_id in self._matchers:
+            return True
+        future = self._pending.get(req_id)
+        if future is None or not future.done():
+            return False
+        del self._pending[req_id]
+        try:
+            compiled = future.result()
+        except GrammarError as exc:
+            return exc
+        import xgrammar as xgr  # imported by the compile that made ``compiled``
+
+        matcher = xgr.GrammarMatcher(compiled)
+        for token_id in request.output_token_ids:
+            matcher.accept_token(token_id)
+        self._matchers[req_id] = matcher
+        return True
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a pending grammar is compiled, at most ``timeout`` seconds: what an
+        engine with nothing else to run does, rather than spin."""
+        if self._pending:
+            wait(list(self._pending.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def accept(self, req_id: str, token_id: int) -> bool:
+        """Advance ``req_id``'s matcher by its sampled token. True when the grammar is then
+        complete, so the request should stop."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None:
+            return False
+        matcher.accept_token(token_id)  # False only for a token the mask did not allow
+        return matcher.is_terminated()
+
+    def remove(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+        future = self._pending.pop(req_id, None)
+        if future is not None:
+            future.cancel()  # only drops it if not started; the cache keeps a started one
+
+    def bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+        """The bitmask rows of the constrained requests among ``req_ids`` (those about to
+        sample), or None when none is constrained."""
+        rows = [r for r in req_ids if r in self._matchers]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size).numpy()
+        matchers = [self._matchers[r] for r in rows]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            if self._batcher is None:
+                self._batcher = xgr.BatchGrammarMatcher(max_threads=1)
+            self._batcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        return GrammarBitmask(rows, bitmask)
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

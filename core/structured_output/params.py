@@ -1,0 +1,51 @@
+"""What a request's output must match, as vLLM's ``structured_outputs`` names it. The API's
+``response_format`` and ``tools`` are translated into one of these."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of the constraints. ``field`` is the request field it came from, named in
+    the error when the grammar does not compile (``response_format``, ``tools``, ...)."""
+
+    json: dict | str | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF style), as xgrammar takes it
+    structural_tag: dict | str | None = None  # xgrammar's structural tag
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.field} must set exactly one of {', '.join(KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and not (
+                self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"{self.field}.choice must be a non-empty list of non-empty "
+                             "strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{self.field}.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"{self.field}.json must be a JSON schema (an object)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the grammar in the compile cache: its kind and canonical text."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, str(value)

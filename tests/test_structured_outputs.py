@@ -1,0 +1,221 @@
+"""Constrained decoding in the engine: every sample parses and validates, the free requests
+beside constrained ones keep their tokens, and preemption and aborts leave no matcher behind."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from core.config import DEFAULT_MODEL
+from core.kv_cache_manager import KVCacheManager
+from core.llm import LLM
+from core.request import Request, RequestStatus
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler, SchedulerConfig
+from core.scheduler_output import ModelRunnerOutput
+from core.structured_output import StructuredOutputsParams
+from core.structured_output.compiler import JSON_CHAR, GrammarError, bounded_strings
+from core.structured_output.manager import StructuredOutputManager
+from gpu.random_model import build_model_dir, build_tokenizer
+from tests.test_scheduler import workload
+
+NUM_SAMPLES = 50
+# nested objects, arrays, enums and required fields; every string and array bounded, so a
+# sample at temperature 1 ends well within max_tokens
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "level": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"type": "string", "enum": ["knight", "fool", "king"]},
+        "home": {"type": "object",
+                 "properties": {"city": {"type": "string", "maxLength": 10},
+                                "port": {"type": "boolean"}},
+                 "required": ["city"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                 "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "kind", "home", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"(Sir|Lady) [A-Z][a-z]{1,8} of [A-Z][a-z]{2,8}"
+CHOICES = ["To be", "not to be", "that is the question"]
+
+
+@pytest.fixture(scope="module")
+def random_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("so") / "llama", "llama",
+                           max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module", params=["embedded", "random"])
+def llm(request, random_dir):
+    return LLM(DEFAULT_MODEL if request.param == "embedded" else str(random_dir))
+
+
+def _samples(llm: LLM, spec: StructuredOutputsParams, max_tokens: int = 200) -> list:
+    params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, seed=7, max_tokens=max_tokens,
+                            structured_outputs=spec)
+    return llm.generate(["Speak:"], params)[0].outputs
+
+
+def test_json_schema_samples_all_parse_and_validate(llm):
+    for out in _samples(llm, StructuredOutputsParams(json=SCHEMA)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_regex_and_choice_samples_all_match(llm):
+    for out in _samples(llm, StructuredOutputsParams(regex=REGEX)):
+        assert re.fullmatch(REGEX, out.text), out.text
+    texts = {out.text for out in _samples(llm, StructuredOutputsParams(choice=CHOICES))}
+    assert texts <= set(CHOICES) and len(texts) > 1  # temperature 1 picks more than one
+
+
+def test_json_object_samples_that_end_all_parse(llm):
+    """Any JSON object: strings are unbounded, so a sample may run into max_tokens; every one
+    that ends by the grammar parses into an object."""
+    outs = _samples(llm, StructuredOutputsParams(json_object=True), max_tokens=240)
+    ended = [o for o in outs if o.finish_reason == "stop"]
+    assert len(ended) >= NUM_SAMPLES // 4
+    for out in ended:
+        assert isinstance(json.loads(out.text), dict)
+    for out in outs:
+        assert out.text.startswith("{")
+
+
+def test_greedy_constrained_is_deterministic_and_free_rows_keep_their_tokens(random_dir):
+    llm = LLM(str(random_dir))
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=120,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = ["Once upon a time", "The king said", "Hello there"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    mixed = llm.generate(prompts + prompts, [free] * 3 + [constrained] * 3)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    texts = [o.outputs[0].text for o in mixed[3:]]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    again = llm.generate(prompts, constrained)
+    assert [o.outputs[0].text for o in again] == texts
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request(random_dir):
+    llm = LLM(str(random_dir))
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="(unclosed", field="structured_outputs.regex"))
+    good = SamplingParams(max_tokens=8, temperature=0.0)
+    core = llm.engine
+    core.add_request("bad", [1, 2, 3], bad)
+    core.add_request("good", [1, 2, 3], good)
+    outputs = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert outputs["bad"][-1].outputs[0].finish_reason == "error"
+    assert "structured_outputs.regex" in (outputs["bad"][-1].error or "")
+    assert len(sum((o.outputs[0].token_ids for o in outputs["good"]), [])) == 8
+    assert core.structured.num_live == 0
+
+
+def test_bounded_strings_get_a_pattern_of_the_same_lengths():
+    schema = bounded_strings({"type": "array", "items": {"type": "string", "maxLength": 3}})
+    assert schema["items"] == {"type": "string", "pattern": f"^{JSON_CHAR}{{0,3}}$"}
+    keep = {"type": "string", "maxLength": 3, "enum": ["a"]}
+    assert bounded_strings(keep) == keep
+
+
+def test_spec_needs_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+
+
+# -- the scheduler with constrained requests, driven without a model ---------------------------
+TOKENIZER = build_tokenizer(512)
+SCHED_REGEX = r"[a-z]{1,6}( [a-z]{1,6}){0,3}"
+
+
+def _allowed_token(manager: StructuredOutputManager, req_id: str, rng: random.Random) -> int:
+    mask = manager.bitmask([req_id])
+    assert mask is not None
+    bits = np.unpackbits(mask.bitmask[0].view(np.uint8), bitorder="little")[:512]
+    return int(rng.choice(np.flatnonzero(bits)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(workload)
+def test_random_constrained_workload_leaks_no_matcher_or_block(w):
+    rng = random.Random(w["seed"])
+    kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"])
+    manager = StructuredOutputManager(TOKENIZER, 512, [TOKENIZER.eos_token_id])
+    config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64,
+                             attention_cost_context=w["attention_cost_context"])
+    scheduler = Scheduler(config, kv, manager)
+    spec = StructuredOutputsParams(regex=SCHED_REGEX)
+    requests = []
+    for i in range(w["num_requests"]):
+        constrained = rng.random() < 0.5
+        params = SamplingParams(max_tokens=rng.randint(1, 20),
+                                structured_outputs=spec if constrained else None)
+        prompt = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+        requests.append(Request(str(i), prompt, params, eos_token_id=TOKENIZER.eos_token_id))
+    pending = list(requests)
+    for _ in range(4000):
+        if pending and rng.random() < 0.5:
+            scheduler.add_request(pending.pop(0))
+        if scheduler.running and rng.random() < w["abort_rate"]:
+            scheduler.finish_requests([rng.choice(scheduler.running).request_id],
+                                      RequestStatus.FINISHED_ABORTED)
+        out = scheduler.schedule()
+        ids, tokens = [], []
+        for req_id in out.num_scheduled_tokens:
+            request = scheduler.requests[req_id]
+            if request.num_computed_tokens >= request.num_tokens:
+                ids.append(req_id)
+                tokens.append(_allowed_token(manager, req_id, rng)
+                              if req_id in out.structured_req_ids else rng.randrange(512))
+        scheduler.update_from_output(ModelRunnerOutput(ids, tokens))
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+    assert all(r.is_finished for r in requests)
+    assert manager.num_live == 0
+    assert kv.pool.num_free_blocks == kv.num_blocks
+    for r in requests:
+        if r.sampling_params.structured_outputs is not None and r.stop_reason is None \
+                and r.status == RequestStatus.FINISHED_STOPPED:
+            text = TOKENIZER.decode(r.output_token_ids, skip_special_tokens=True)
+            assert re.fullmatch(SCHED_REGEX, text), text
+
+
+def test_a_request_waits_for_its_grammar_without_holding_up_others():
+    kv = KVCacheManager(32, 4)
+    manager = StructuredOutputManager(TOKENIZER, 512, [TOKENIZER.eos_token_id])
+    gate: Future = Future()
+    manager.compiler.submit = lambda spec: gate  # a compile that has not finished
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), kv, manager)
+    slow = Request("slow", [1, 2, 3], SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
+    fast = Request("fast", [4, 5, 6], SamplingParams(max_tokens=4))
+    scheduler.add_request(slow)
+    scheduler.add_request(fast)
+    assert slow.status == RequestStatus.WAITING_FOR_GRAMMAR
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["fast"]
+    assert list(scheduler.waiting) == [slow]
+    gate.set_exception(GrammarError("structured_outputs.regex does not compile: x",
+                                    "structured_outputs.regex"))
+    scheduler.schedule()
+    assert slow.status == RequestStatus.FINISHED_ERROR
+    assert scheduler.take_grammar_failures() == [slow]
+    assert manager.num_live == 0
