@@ -62,7 +62,7 @@ class CallSplitter:
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
         self._held_ws: int | None = None  # held whitespace in text starts here
-        self._after_call = False  # skipping separators after a call
+        self._skipping_separators = False  # right after a call
         self._region = 0  # where the current trigger starts
         self._region_ws = 0  # where the whitespace held before it starts
         self._region_calls = 0
@@ -130,11 +130,11 @@ class CallSplitter:
     # Each step returns False when it needs more text than has arrived.
 
     def _text(self) -> bool:
-        if self._after_call:
+        if self._skipping_separators:
             self._skip(self.syntax.is_separator)
             if self.pos == len(self.text):
                 return False
-            self._after_call = False
+            self._skipping_separators = False
         trigger = self._trigger_at(self.pos)
         if trigger is None:
             return self._plain_text()
@@ -298,7 +298,7 @@ class CallSplitter:
     def _end_region(self, pos: int) -> bool:
         self.pos = pos
         self.state = _State.TEXT
-        self._after_call = True
+        self._skipping_separators = True
         return True
 
     def _skip(self, predicate: Callable[[str], bool]) -> bool:
