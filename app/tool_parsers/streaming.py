@@ -1,0 +1,333 @@
+"""Splitting a reply into content and tool calls as its text arrives.
+
+One state machine serves both ``extract`` and streaming, so the two agree on every text and
+on every way of cutting it into deltas: every decision is made at a character position, with
+the text up to a fixed distance past it, never on where a delta ended. Text that may still
+turn out to be a trigger, and the whitespace before it, is held back until it is known.
+
+A call is committed (its id and name are sent) once its name is complete and its arguments
+object has begun, and its arguments are then sent as they arrive. ``extract`` commits a call
+only when its object is complete, so a call that breaks off (a model writing without a
+grammar, a reply cut by ``max_tokens``) is content there, while a stream that already sent
+its start keeps it, with the arguments it sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from app.tool_parsers.calls import (
+    CallSyntax,
+    ParsedReply,
+    StreamDelta,
+    ToolCall,
+    Trigger,
+    new_call_id,
+)
+from app.tool_parsers.json_scan import JsonScanner
+
+_UNDECIDED = Trigger("")  # the text so far may still become a trigger
+
+
+class _State(Enum):
+    TEXT = "text"
+    BEFORE_LIST = "before list"  # after a list format's trigger: "["
+    BEFORE_CALL = "before call"  # whitespace, then the call object's "{"
+    IN_CALL = "in call"
+    AFTER_CALL = "after call"  # the closer, or the list's "," or "]"
+
+
+@dataclass
+class _OpenCall:
+    scanner: JsonScanner
+    name: str | None = None
+    call: ToolCall | None = None  # set when committed
+    sent_to: int = 0  # the arguments text sent so far ends here
+
+
+class CallSplitter:
+    """Content and calls of one reply. ``eager`` streams a call from its start; without it a
+    call is taken only when complete (``extract``)."""
+
+    def __init__(self, syntax: CallSyntax, eager: bool) -> None:
+        self.syntax = syntax
+        self.eager = eager
+        self.text = ""
+        self.pos = 0
+        self.state = _State.TEXT
+        self.final = False
+        self.calls: list[ToolCall] = []
+        self.content: list[str] = []
+        self._held_ws: int | None = None  # held whitespace in text starts here
+        self._skipping_separators = False  # right after a call
+        self._region = 0  # where the current trigger starts
+        self._region_ws = 0  # where the whitespace held before it starts
+        self._region_calls = 0
+        self._last_call_end = 0
+        self._open: _OpenCall | None = None
+        self._delta = StreamDelta()
+        self._trigger_starts = frozenset(t.text[0] for t in syntax.triggers)
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def feed(self, text: str) -> StreamDelta:
+        self.text += text
+        self._run()
+        return self._take()
+
+    def finish(self) -> StreamDelta:
+        self.final = True
+        self._run()
+        if self._held_ws is not None:
+            self._emit(self.text[self._held_ws:])
+            self._held_ws = None
+        return self._take()
+
+    def result(self) -> ParsedReply:
+        content = "".join(self.content)
+        if self.calls and not content.strip():
+            return ParsedReply(None, list(self.calls))
+        return ParsedReply(content, list(self.calls))
+
+    def _run(self) -> None:
+        steps = {_State.TEXT: self._text, _State.BEFORE_LIST: self._before_list,
+                 _State.BEFORE_CALL: self._before_call, _State.IN_CALL: self._in_call,
+                 _State.AFTER_CALL: self._after_call_step}
+        while self.pos < len(self.text) or self.final and self.state is not _State.TEXT:
+            if not steps[self.state]():
+                break
+
+    def _take(self) -> StreamDelta:
+        delta, self._delta = self._delta, StreamDelta()
+        return delta
+
+    # -- output ----------------------------------------------------------------------------
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.content.append(text)
+            self._delta.content += text
+
+    def _emit_call(self, call: ToolCall) -> None:
+        self._delta.tool_calls.append({
+            "index": len(self.calls) - 1, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}})
+
+    def _emit_arguments(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self.calls[-1].arguments += fragment
+        index, items = len(self.calls) - 1, self._delta.tool_calls
+        if items and items[-1]["index"] == index and "id" not in items[-1]:
+            items[-1]["function"]["arguments"] += fragment
+        else:
+            items.append({"index": index, "function": {"arguments": fragment}})
+
+    # -- states ----------------------------------------------------------------------------
+    # Each step returns False when it needs more text than has arrived.
+
+    def _text(self) -> bool:
+        if self._skipping_separators:
+            self._skip(self.syntax.is_separator)
+            if self.pos == len(self.text):
+                return False
+            self._skipping_separators = False
+        trigger = self._trigger_at(self.pos)
+        if trigger is None:
+            return self._plain_text()
+        if trigger is _UNDECIDED:
+            return False
+        self._region, self._region_calls = self.pos, 0
+        self._region_ws = self.pos if self._held_ws is None else self._held_ws
+        self._held_ws = None
+        self.pos += 0 if trigger.keep else len(trigger.text)
+        self.state = _State.BEFORE_LIST if self.syntax.in_list else _State.BEFORE_CALL
+        return True
+
+    def _trigger_at(self, pos: int) -> Trigger | None:
+        """The trigger starting at ``pos``, None for none, ``_UNDECIDED`` while the text
+        that would tell has not arrived."""
+        for trigger in self.syntax.triggers:
+            if self.text.startswith(trigger.text, pos):
+                return trigger
+        if not self.final and any(self._cut_short(t.text, pos) for t in self.syntax.triggers):
+            return _UNDECIDED
+        return None
+
+    def _cut_short(self, marker: str, pos: int) -> bool:
+        """Whether the text ends at ``pos`` with a proper prefix of ``marker``."""
+        rest = self.text[pos:pos + len(marker)]
+        return len(rest) < len(marker) and marker.startswith(rest)
+
+    def _plain_text(self) -> bool:
+        """Content up to the next character a trigger may start with; whitespace before
+        it is held back."""
+        end = self.pos + 1
+        while end < len(self.text) and self.text[end] not in self._trigger_starts:
+            end += 1
+        chunk = self.text[self.pos:end]
+        kept = chunk.rstrip()
+        if kept:
+            start = self.pos if self._held_ws is None else self._held_ws
+            self._emit(self.text[start:self.pos + len(kept)])
+            self._held_ws = None
+        if len(kept) < len(chunk) and self._held_ws is None:
+            self._held_ws = self.pos + len(kept)
+        self.pos = end
+        return True
+
+    def _before_list(self) -> bool:
+        if not self._skip(str.isspace):
+            return self.final and self._break()
+        if self.text[self.pos] != "[":
+            return self._break()
+        self.pos += 1
+        self.state = _State.BEFORE_CALL
+        return True
+
+    def _before_call(self) -> bool:
+        if not self._skip(str.isspace):
+            return self.final and self._break()
+        if self.text[self.pos] != "{":
+            return self._break()
+        self._open = _OpenCall(JsonScanner())
+        self.state = _State.IN_CALL
+        return True
+
+    def _in_call(self) -> bool:
+        open_call = self._open
+        while self.pos < len(self.text):
+            if not open_call.scanner.feed(self.text, self.pos):
+                return self._broken_call()
+            self.pos += 1
+            if open_call.scanner.done:
+                return self._complete_call()
+            if self.eager and open_call.call is None:
+                self._commit()
+        if open_call.call is not None:
+            self._send_arguments()
+        return self.final and self._broken_call()
+
+    def _after_call_step(self) -> bool:
+        if not self._skip(str.isspace):
+            return self.final and self._end_region(self.pos)
+        closer, char = self.syntax.closer, self.text[self.pos]
+        if self.syntax.in_list and char == ",":
+            self.pos += 1
+            self.state = _State.BEFORE_CALL
+            return True
+        if self.syntax.in_list and char == "]":
+            return self._end_region(self.pos + 1)
+        if closer and self.text.startswith(closer, self.pos):
+            return self._end_region(self.pos + len(closer))
+        if closer and self._cut_short(closer, self.pos):
+            return self.final and self._end_region(len(self.text))
+        return self._end_region(self.pos)
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _commit(self) -> bool:
+        """Start the open call if its name is complete and its arguments object has begun."""
+        open_call = self._open
+        if open_call.name is None:
+            open_call.name = self._name(open_call.scanner)
+        arguments = self._arguments_span(open_call.scanner)
+        if open_call.name is None or arguments is None or self.text[arguments[0]] != "{":
+            return False
+        call = ToolCall(new_call_id(), open_call.name, "")
+        self.calls.append(call)
+        self._open.call, self._open.sent_to = call, arguments[0]
+        self._emit_call(call)
+        self._send_arguments()
+        return True
+
+    def _send_arguments(self) -> None:
+        start, end = self._arguments_span(self._open.scanner)
+        stop = self.pos if end is None else end
+        if stop > self._open.sent_to:
+            self._emit_arguments(self.text[self._open.sent_to:stop])
+            self._open.sent_to = stop
+
+    def _name(self, scanner: JsonScanner) -> str | None:
+        span = scanner.members.get("name")
+        if span is None or span[1] is None:
+            return None
+        name = json.loads(self.text[span[0]:span[1]])
+        return name if isinstance(name, str) and name else None
+
+    def _arguments_span(self, scanner: JsonScanner) -> tuple[int, int | None] | None:
+        for key, span in scanner.members.items():
+            if key in self.syntax.argument_keys:
+                return span[0], span[1]
+        return None
+
+    def _complete_call(self) -> bool:
+        if self._open.call is None and not self._commit():
+            return self._break()
+        self._send_arguments()
+        self._open = None
+        self._region_calls += 1
+        self._last_call_end = self.pos
+        self.state = _State.AFTER_CALL
+        return True
+
+    def _broken_call(self) -> bool:
+        """A call object that can't be completed: content, unless already sent."""
+        if self._open.call is None:
+            return self._break()
+        self._send_arguments()
+        self._open = None
+        self.state = _State.TEXT
+        return True
+
+    def _break(self) -> bool:
+        """What looked like a call isn't one: back to text, from its trigger's second
+        character, or from the end of the region's last call."""
+        self._open = None
+        self.state = _State.TEXT
+        if self._region_calls:
+            self.pos = self._last_call_end
+            return True
+        self._emit(self.text[self._region_ws:self._region + 1])
+        self.pos = self._region + 1
+        return True
+
+    def _end_region(self, pos: int) -> bool:
+        self.pos = pos
+        self.state = _State.TEXT
+        self._skipping_separators = True
+        return True
+
+    def _skip(self, predicate: Callable[[str], bool]) -> bool:
+        """Past the characters ``predicate`` holds for; False at the end of the text."""
+        while self.pos < len(self.text) and predicate(self.text[self.pos]):
+            self.pos += 1
+        return self.pos < len(self.text)
+
+
+class ToolCallStreamer:
+    """A streamed reply's content and tool-call deltas, in OpenAI's chunk shape."""
+
+    def __init__(self, syntax: CallSyntax) -> None:
+        self._splitter = CallSplitter(syntax, eager=True)
+
+    def feed(self, delta_text: str) -> StreamDelta:
+        return self._splitter.feed(delta_text)
+
+    def finish(self) -> StreamDelta:
+        """The held-back rest, once the reply has ended."""
+        return self._splitter.finish()
+
+    def result(self) -> ParsedReply:
+        """The reply as streamed, with the streamed calls' ids."""
+        return self._splitter.result()
+
+
+def split_reply(syntax: CallSyntax, text: str) -> ParsedReply:
+    splitter = CallSplitter(syntax, eager=False)
+    splitter.feed(text)
+    splitter.finish()
+    return splitter.result()

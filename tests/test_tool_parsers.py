@@ -1,0 +1,643 @@
+"""Tool-call formats: parsing whole replies and streamed ones (the same content and calls for
+every way of cutting a reply into deltas), the structural tags that constrain a model to a
+format (replies walked at random under them parse and validate), and the Hermes-style chat
+template."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+
+import jsonschema
+import numpy as np
+import pytest
+import xgrammar as xgr
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from app.chat_template import _environment
+from app.tool_parsers import (
+    PARSERS,
+    HermesToolParser,
+    ParsedReply,
+    ToolCall,
+    ToolParser,
+    default_parser,
+    get_parser,
+)
+from app.tool_parsers.grammar_schema import grammar_schema
+from gpu.random_model import build_tokenizer
+from templates import TEMPLATES_DIR
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                 "maxItems": 3},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "where": {"type": "object",
+                  "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                  "required": ["lat", "lon"]},
+    },
+    "required": ["city", "unit", "where"],
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string", "maxLength": 16},
+        "filters": {"type": "array", "maxItems": 2, "items": {
+            "type": "object",
+            "properties": {"field": {"enum": ["title", "body"]}, "exact": {"type": "boolean"}},
+            "required": ["field", "exact"]}},
+    },
+    "required": ["query", "filters"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object"}}
+NAMES = list(PARSERS)
+
+
+def render_calls(parser: str, calls: list[tuple[str, str]]) -> str:
+    """``calls`` (name, arguments text) as ``parser``'s model writes them."""
+    if parser == "hermes":
+        return "\n".join(f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": {a}}}\n'
+                         "</tool_call>" for n, a in calls)
+    if parser == "llama3_json":
+        return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {a}}}' for n, a in calls)
+    return "[TOOL_CALLS][" + ", ".join(
+        f'{{"name": {json.dumps(n)}, "arguments": {a}}}' for n, a in calls) + "]"
+
+
+def triggers(parser: str) -> list[str]:
+    return [t.text for t in PARSERS[parser].syntax.triggers]
+
+
+# -- streaming helpers -------------------------------------------------------------------------
+
+def stream(parser: ToolParser, deltas: list[str]) -> tuple[str, list[dict], ParsedReply]:
+    """Content, calls ({id, name, arguments}) and result of a reply fed as ``deltas``,
+    checking the shape of every delta item on the way."""
+    streamer = parser.streamer()
+    content, calls = "", []
+    for delta in [*(streamer.feed(d) for d in deltas), streamer.finish()]:
+        content += delta.content
+        for item in delta.tool_calls:
+            index = item["index"]
+            if "id" in item:
+                assert index == len(calls)
+                assert item["type"] == "function" and item["function"]["arguments"] == ""
+                assert re.fullmatch(r"call_[0-9a-f]{24}", item["id"])
+                calls.append({"id": item["id"], "name": item["function"]["name"],
+                              "arguments": ""})
+            else:
+                assert set(item) == {"index", "function"} and set(item["function"]) == {
+                    "arguments"}
+                assert index == len(calls) - 1 and item["function"]["arguments"]
+                calls[index]["arguments"] += item["function"]["arguments"]
+    return content, calls, streamer.result()
+
+
+def chunkings(text: str, seed: int) -> list[list[str]]:
+    """Whole, character by character, and random cuts."""
+    rng = random.Random(seed)
+    cuts = [[text], list(text)]
+    for _ in range(4):
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            pieces.append(text[i:i + n])
+            i += n
+        cuts.append(pieces)
+    return cuts
+
+
+def assert_streams_like_extract(parser: ToolParser, text: str, seed: int = 0) -> ParsedReply:
+    expected = parser.extract(text)
+    for deltas in chunkings(text, seed):
+        content, calls, result = stream(parser, deltas)
+        assert content == (expected.content or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.name, c.arguments) for c in expected.tool_calls]
+        assert [(c["id"], c["name"], c["arguments"]) for c in calls] == [
+            (c.id, c.name, c.arguments) for c in result.tool_calls]
+        assert result.content == expected.content
+    return expected
+
+
+# -- ToolCall ----------------------------------------------------------------------------------
+
+def test_tool_call_openai_shape():
+    call = ToolCall("call_0123456789abcdef01234567", "f", '{"a": 1}')
+    assert call.to_openai() == {"id": "call_0123456789abcdef01234567", "type": "function",
+                                "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_ids_are_unique_call_ids():
+    reply = get_parser("hermes").extract(render_calls("hermes", [("f", "{}")] * 3))
+    ids = [c.id for c in reply.tool_calls]
+    assert len(set(ids)) == 3 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+
+
+# -- extract -----------------------------------------------------------------------------------
+
+ARGS = '{"city": "Paris", "where": {"lat": 48.85, "lon": 2.35}, "tags": ["a", "}"]}'
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_extract_calls_and_content(name):
+    text = "Let me look.\n\n" + render_calls(name, [("get_weather", ARGS), ("ping", "{}")])
+    reply = get_parser(name).extract(text)
+    assert reply.content == "Let me look."
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [
+        ("get_weather", ARGS), ("ping", "{}")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_extract_without_calls_keeps_the_text(name):
+    text = "  A plain answer: {\"name\" is a key} [TOOL] <tool> {\"name\": 1}\n"
+    assert get_parser(name).extract(text) == ParsedReply(text, [])
+    assert get_parser(name).extract("") == ParsedReply("", [])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_only_calls_give_no_content(name):
+    reply = get_parser(name).extract("\n " + render_calls(name, [("ping", "{}")]) + " \n")
+    assert reply.content is None and len(reply.tool_calls) == 1
+
+
+def test_arguments_are_the_text_as_generated():
+    args = '{ "b" :[1,2.5e-3, true,null] ,\n  "a": {"k": "\\u00e9\\"}"} }'
+    for name in NAMES:
+        reply = get_parser(name).extract(render_calls(name, [("f", f"  {args}\n")]))
+        assert reply.tool_calls[0].arguments == args
+        assert json.loads(reply.tool_calls[0].arguments)["a"]["k"] == 'é"}'
+
+
+def test_hermes_variants():
+    parser = get_parser("hermes")
+    compact = parser.extract('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>')
+    assert [(c.name, c.arguments) for c in compact.tool_calls] == [("f", '{"x":1}')]
+    first_args = parser.extract('<tool_call>\n{"arguments": {"x": [1]}, "name": "g"}\n'
+                                "</tool_call>")
+    assert [(c.name, c.arguments) for c in first_args.tool_calls] == [("g", '{"x": [1]}')]
+    unclosed = parser.extract('Sure <tool_call>\n{"name": "f", "arguments": {}}')
+    assert unclosed.content == "Sure" and unclosed.tool_calls[0].name == "f"
+    after = parser.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.')
+    assert after.content == "Done." and len(after.tool_calls) == 1
+
+
+def test_llama_variants():
+    parser = get_parser("llama3_json")
+    tagged = parser.extract('<|python_tag|>{"name": "f", "parameters": {"q": "x"}}')
+    assert [(c.name, c.arguments) for c in tagged.tool_calls] == [("f", '{"q": "x"}')]
+    several = parser.extract('{"name": "f", "parameters": {}};{"name": "g", "parameters": '
+                             '{"a": 1}}; ')
+    assert several.content is None
+    assert [(c.name, c.arguments) for c in several.tool_calls] == [("f", "{}"),
+                                                                    ("g", '{"a": 1}')]
+    answer = '{"name": "Ada", "age": 36}'
+    assert parser.extract(answer) == ParsedReply(answer, [])
+
+
+def test_mistral_variants():
+    parser = get_parser("mistral")
+    spaced = parser.extract('[TOOL_CALLS] [ {"name": "f", "arguments": {"a": 1}} ,'
+                            '{"name": "g", "arguments": {}} ]')
+    assert [(c.name, c.arguments) for c in spaced.tool_calls] == [("f", '{"a": 1}'),
+                                                                   ("g", "{}")]
+    assert parser.extract("[TOOL_CALLS][]") == ParsedReply("[TOOL_CALLS][]", [])
+
+
+GARBAGE = {
+    "hermes": ['<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>',
+               "<tool_call>not json</tool_call>", '<tool_call>{"name": "f"}</tool_call>',
+               '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+               '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>',
+               '<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>'],
+    "llama3_json": ['<|python_tag|>brave_search.call(query="x")',
+                    '{"name": "f", "parameters": {"a": 01}}', '{"name": "f", "parameters": {'],
+    "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": {"a": [1,}}]', "[TOOL_CALLS]{}",
+                '[TOOL_CALLS][{"name": "f", "arguments": {"s": "\x01"}}]'],
+}
+
+
+NOT_A_CALL = {"hermes": "<tool_call>not json</tool_call>", "mistral": "[TOOL_CALLS]{}",
+              "llama3_json": '<|python_tag|>brave_search.call(query="x")'}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_malformed_calls_are_content(name):
+    for text in GARBAGE[name]:
+        reply = get_parser(name).extract("Hi. " + text)
+        assert reply == ParsedReply("Hi. " + text, []), text
+        stream(get_parser(name), list("Hi. " + text))  # never raises
+
+
+def test_malformed_call_after_a_good_one():
+    parser = get_parser("hermes")
+    good = render_calls("hermes", [("f", "{}")])
+    reply = parser.extract(good + "\n<tool_call>{oops}</tool_call>")
+    assert reply.content == "<tool_call>{oops}</tool_call>"
+    assert [c.name for c in reply.tool_calls] == ["f"]
+    mistral = get_parser("mistral").extract('[TOOL_CALLS][{"name": "f", "arguments": {}}, 7]')
+    assert [c.name for c in mistral.tool_calls] == ["f"] and mistral.content == ", 7]"
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+ARGUMENTS_FIRST = {
+    "hermes": '<tool_call>\n{"arguments": {"x": "é😀"}, "name": "f"}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"parameters": {"x": "é😀"}, "name": "f"}',
+    "mistral": '[TOOL_CALLS][{"arguments": {"x": "é😀"}, "name": "f"}]',
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_streaming_matches_extract(name):
+    texts = [
+        "Checking the weather. " + render_calls(name, [("get_weather", ARGS),
+                                                        ("search", '{"query": "x"}')]),
+        render_calls(name, [("ping", "{ }")]) + "\n\nAnything else?",
+        ARGUMENTS_FIRST[name],
+        "No tools needed: <tool {name} [TOOL] {\"name\"} ; < [",
+        "Hi. " + NOT_A_CALL[name],
+    ]
+    for seed, text in enumerate(texts):
+        assert_streams_like_extract(get_parser(name), text, seed)
+    reply = get_parser(name).extract(ARGUMENTS_FIRST[name])
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("f", '{"x": "é😀"}')]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_streamed_arguments_arrive_in_pieces(name):
+    text = render_calls(name, [("get_weather", ARGS)])
+    _, calls, _ = stream(get_parser(name), list(text))
+    streamer = get_parser(name).streamer()
+    fragments = [item for ch in text for item in streamer.feed(ch).tool_calls]
+    assert fragments[0]["function"]["name"] == "get_weather"
+    assert len(fragments) == len(ARGS) + 1  # the call's start, then one per character
+    assert calls[0]["arguments"] == ARGS
+
+
+def test_a_trigger_prefix_is_held_back():
+    streamer = get_parser("hermes").streamer()
+    assert streamer.feed("Let me check <tool_").content == "Let me check"
+    assert streamer.feed("box> sure").content == " <tool_box> sure"
+    streamer = get_parser("hermes").streamer()
+    assert streamer.feed("Hello <tool_").content == "Hello"
+    delta = streamer.feed('call>\n{"name": "f", "arguments": {"x"')
+    assert delta.content == "" and delta.tool_calls[0]["function"]["name"] == "f"
+    assert delta.tool_calls[1]["function"]["arguments"] == '{"x"'
+    assert streamer.finish().content == ""
+    llama = get_parser("llama3_json").streamer()
+    assert llama.feed("Set {").content == "Set"
+    assert llama.feed("1, 2}").content == " {1, 2}"
+    assert llama.finish().content == ""
+
+
+def test_held_back_text_comes_out_at_the_end():
+    for name, tail in [("hermes", " <tool_ca"), ("llama3_json", ' {"na'),
+                       ("mistral", " [TOOL_")]:
+        streamer = get_parser(name).streamer()
+        assert streamer.feed("Text" + tail).content == "Text"
+        assert streamer.finish().content == tail
+
+
+def test_a_cut_off_call_keeps_what_was_streamed():
+    """A reply cut inside a call (``max_tokens``): the stream has sent the call's start and
+    keeps it; ``extract`` sees no complete call."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Par'
+    content, calls, result = stream(get_parser("hermes"), [text])
+    assert content == "" and calls[0]["arguments"] == '{"city": "Par'
+    assert result.tool_calls[0].arguments == '{"city": "Par' and result.content is None
+    assert get_parser("hermes").extract(text) == ParsedReply(text, [])
+
+
+def test_a_call_broken_after_its_start():
+    """Only a model writing without the grammar breaks a call after its name and arguments
+    have begun: the stream keeps the call with what it sent, the rest is content."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call> ok'
+    content, calls, result = stream(get_parser("hermes"), list(text))
+    assert calls[0]["name"] == "f" and calls[0]["arguments"] == '{"a": tru'
+    assert content == "}}\n</tool_call> ok" == result.content
+    assert get_parser("hermes").extract(text) == ParsedReply(text, [])
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=8)
+ARGUMENT_TEXT = st.builds(
+    lambda value, indent, ascii_only: json.dumps(value, indent=indent, ensure_ascii=ascii_only),
+    st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4),
+    st.sampled_from([None, 1, 2]), st.booleans())
+CALLS = st.lists(st.tuples(st.sampled_from(["f", "get_weather", "a-b_c.d"]), ARGUMENT_TEXT),
+                 max_size=3)
+TEXT = st.text(alphabet=st.sampled_from(list("ab é😀 \n<>{}[]\":;,_tolcaTOL|")), max_size=20)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(NAMES), before=TEXT, calls=CALLS, after=TEXT,
+       seed=st.integers(0, 1000))
+def test_any_reply_streams_like_extract(name, before, calls, after, seed):
+    text = before + render_calls(name, calls) + after if calls else before
+    assume(not any(t in before + after for t in triggers(name)))
+    expected = assert_streams_like_extract(get_parser(name), text, seed)
+    assert [(c.name, c.arguments) for c in expected.tool_calls] == [
+        (n, a.strip()) for n, a in calls]
+    content = expected.content or ""
+    assert not any(t in content for t in triggers(name))
+    assert (calls and expected.content is None) or before.strip() in content
+
+
+# -- structural tags ---------------------------------------------------------------------------
+
+def test_structural_tag_shapes():
+    hermes = get_parser("hermes")
+    auto = hermes.structural_tag(TOOLS, "auto", True)
+    assert auto["type"] == "structural_tag"
+    fmt = auto["format"]
+    assert fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<tool_call>"]
+    assert not fmt["stop_after_first"] and not fmt["at_least_one"]
+    assert [t["begin"] for t in fmt["tags"]] == [
+        f'<tool_call>\n{{"name": "{n}", "arguments": ' for n in SCHEMAS]
+    assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [
+        grammar_schema(s) for s in SCHEMAS.values()]
+    assert hermes.structural_tag(TOOLS, "auto", False)["format"]["stop_after_first"]
+    required = hermes.structural_tag(TOOLS, "required", True)["format"]
+    assert required["type"] == "tags_with_separator" and required["at_least_one"]
+    named = hermes.structural_tag(TOOLS, {"type": "function", "function": {"name": "search"}},
+                                  False)["format"]
+    assert [t["begin"] for t in named["tags"]] == [
+        '<tool_call>\n{"name": "search", "arguments": ']
+    assert named["stop_after_first"]
+
+
+def test_structural_tag_mistral_and_llama():
+    mistral = get_parser("mistral").structural_tag(TOOLS, "auto", True)["format"]
+    assert mistral["triggers"] == ["[TOOL_CALLS]"] and mistral["stop_after_first"]
+    (block,) = mistral["tags"]
+    assert (block["begin"], block["end"]) == ("[TOOL_CALLS][", "]")
+    assert block["content"]["separator"] == ", "
+    llama = get_parser("llama3_json").structural_tag(TOOLS, "required", True)["format"]
+    assert llama["separator"] == "; "
+    assert llama["tags"][0]["begin"] == '{"name": "get_weather", "parameters": '
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_structural_tag_without_constraint(name):
+    parser = get_parser(name)
+    assert parser.structural_tag(TOOLS, "none", True) is None
+    assert parser.structural_tag([], "auto", True) is None
+    assert parser.structural_tag(None, None, True) is None
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "function", "function": {"name": "nope"}}, "sometimes", {"type": "function"}])
+def test_bad_tool_choice_names_the_field(choice):
+    with pytest.raises(ValueError, match="tool_choice"):
+        get_parser("hermes").structural_tag(TOOLS, choice, True)
+
+
+def test_bad_tools_name_the_field():
+    with pytest.raises(ValueError, match="tool_choice"):
+        get_parser("hermes").structural_tag([], "required", True)
+    with pytest.raises(ValueError, match="tools"):
+        get_parser("hermes").structural_tag([{"type": "function"}], "auto", True)
+    with pytest.raises(ValueError, match="tools"):
+        get_parser("hermes").structural_tag(TOOLS + TOOLS[:1], "auto", True)
+
+
+def test_get_parser_and_default_parser():
+    assert isinstance(get_parser("hermes"), HermesToolParser)
+    with pytest.raises(ValueError, match="hermes"):
+        get_parser("unknown")
+    assert default_parser((TEMPLATES_DIR / "hermes_tools.jinja").read_text()) == "hermes"
+    assert default_parser("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert default_parser("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    assert default_parser('ipython ... {"name": function name, "parameters": ...}') == (
+        "llama3_json")
+    assert default_parser((TEMPLATES_DIR / "chat_fallback.jinja").read_text()) is None
+    assert default_parser(None) is None
+
+
+def test_bounded_strings_reach_the_grammar_as_patterns():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 1, "maxLength": 4},
+        "b": {"type": "array", "items": {"type": "string", "maxLength": 2}},
+        "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
+        "d": {"enum": [{"maxLength": 1}]}}}
+    assert grammar_schema(schema) == {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^.{1,4}$"},
+        "b": {"type": "array", "items": {"type": "string", "pattern": "^.{0,2}$"}},
+        "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
+        "d": {"enum": [{"maxLength": 1}]}}}
+
+
+def test_bounded_strings_admit_no_control_characters(walker):
+    compiler = walker[0]
+    tag = get_parser("mistral").structural_tag(TOOLS, "required", False)
+    compiled = compiler.compile_structural_tag(json.dumps(tag))
+    begin = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "a'
+    for text, ok in [("b", True), ("\x00", False), ("\t", False), ("é" * 11, True),
+                     ("é" * 12, False)]:
+        assert xgr.GrammarMatcher(compiled).accept_string(begin + text + '"') is ok
+
+
+# -- valid by construction ---------------------------------------------------------------------
+
+@dataclass
+class Walker:
+    """Random replies under a compiled grammar, drawn more and more toward closing tokens
+    (``"``, ``}``, ``]``) and mostly away from whitespace, so that they end."""
+
+    vocab: list[bytes]
+    closers: set[int]
+    stops: set[int]
+    banned: set[int]  # see the fixture
+    blank: set[int]
+
+    def walk(self, compiled: xgr.CompiledGrammar, rng: random.Random, prefix: str = "",
+             again: str = "") -> str | None:
+        """One reply, None past 300 tokens. Where the reply could end, ``again`` (up to
+        twice) opens a further call. Free text may end inside a UTF-8 sequence (xgrammar's
+        free text is bytes): U+FFFD, as a detokenizer would show it."""
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(prefix)
+        bitmask = xgr.allocate_token_bitmask(1, len(self.vocab))
+        out, agains = [prefix.encode()], 0
+        for step in range(300):
+            matcher.fill_next_token_bitmask(bitmask)
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+            allowed = [int(t) for t in np.flatnonzero(bits[:len(self.vocab)])]
+            can_stop = any(t in self.stops for t in allowed)
+            if can_stop and again and agains < 2 and rng.random() < 0.4:
+                assert matcher.accept_string(again)
+                out.append(again.encode())
+                agains += 1
+                continue
+            token = self._pick(allowed, can_stop, step, rng)
+            assert matcher.accept_token(token)
+            if matcher.is_terminated():
+                return b"".join(out).decode(errors="replace")
+            out.append(self.vocab[token])
+        return None
+
+    def _pick(self, allowed: list[int], can_stop: bool, step: int, rng: random.Random) -> int:
+        if can_stop and rng.random() < 0.5:
+            return next(t for t in allowed if t in self.stops)
+        allowed = [t for t in allowed if t not in self.stops and t not in self.banned] or allowed
+        if rng.random() < 0.8:
+            allowed = [t for t in allowed if t not in self.blank] or allowed
+        closing = [t for t in allowed if t in self.closers]
+        if closing and rng.random() < min(0.85, step / RAMP):
+            allowed = closing
+        return rng.choice(allowed)
+
+
+RAMP = 100
+# Lead bytes after which xgrammar's JSON strings admit sequences that are not UTF-8:
+# surrogates (ED A0-BF ..) and, through ``pattern``, overlong forms (E0 80-9F .., F0 80-8F ..).
+# A real model, trained on UTF-8 text, doesn't write them; a random walk would.
+LENIENT_LEADS = frozenset([0xC0, 0xC1, 0xE0, 0xED, 0xF0, *range(0xF4, 0x100)])
+
+
+@pytest.fixture(scope="module")
+def walker():
+    tokenizer = build_tokenizer(512)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    vocab = info.decoded_vocab
+    closers = {i for i, b in enumerate(vocab) if b and set(b) <= set(b'"}]')}
+    banned = {i for i, b in enumerate(vocab) if LENIENT_LEADS & set(b)}
+    blank = {i for i, b in enumerate(vocab) if b and not b.strip()}
+    walker = Walker(vocab, closers, set(info.stop_token_ids), banned, blank)
+    return xgr.GrammarCompiler(info), walker
+
+
+CHOICES = [("auto", True), ("auto", False), ("required", True), ("required", False),
+           ({"type": "function", "function": {"name": "get_weather"}}, True)]
+AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": ""}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("choice,parallel", CHOICES)
+def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
+    compiler, walker = walker
+    parser = get_parser(name)
+    compiled = compiler.compile_structural_tag(
+        json.dumps(parser.structural_tag(TOOLS, choice, parallel)))
+    rng = random.Random(f"{name}{choice}{parallel}")
+    replies = []
+    for _ in range(16):
+        if choice == "auto":  # free text, then the trigger
+            prefix = rng.choice(["", "Let me check. ", "ok\n"]) + parser.trigger
+            text = walker.walk(compiled, rng, prefix, AGAIN[name] if parallel else "")
+        else:
+            text = walker.walk(compiled, rng)
+        if text is not None:
+            replies.append(text)
+    assert len(replies) >= 10
+    for text in replies:
+        check_constrained_reply(parser, text, choice, parallel)
+
+
+def check_constrained_reply(parser: ToolParser, text: str, choice, parallel: bool) -> None:
+    reply = assert_streams_like_extract(parser, text)
+    assert reply.tool_calls, text
+    assert len(reply.tool_calls) == 1 or parallel
+    for call in reply.tool_calls:
+        assert call.name in SCHEMAS and (choice in ("auto", "required")
+                                         or call.name == "get_weather")
+        assert "\ufffd" not in call.arguments
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    if choice == "auto":
+        assert parser.trigger.strip() not in (reply.content or "")
+    else:
+        assert reply.content is None
+
+
+# -- the Hermes-style chat template ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hermes_template():
+    return _environment().from_string((TEMPLATES_DIR / "hermes_tools.jinja").read_text())
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "21C"},
+    {"role": "assistant", "content": "Paris 18C, Rome 21C."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+def test_template_lists_tools_and_renders_calls_and_results(hermes_template):
+    prompt = hermes_template.render(messages=CONVERSATION, tools=TOOLS,
+                                    add_generation_prompt=True)
+    system, rest = prompt.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    listed = re.search(r"<tools>\n(.*)\n</tools>", system, re.S).group(1).split("\n")
+    assert [json.loads(line) for line in listed] == TOOLS
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n' \
+           "</tool_call>" in system
+    assert rest == (
+        "<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n"
+        "<tool_response>\n21C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nParis 18C, Rome 21C.<|im_end|>\n"
+        "<|im_start|>user\nThanks<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_template_calls_read_back_by_the_parser(hermes_template):
+    prompt = hermes_template.render(messages=CONVERSATION[:3], tools=TOOLS)
+    turn = prompt.split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    reply = get_parser("hermes").extract(turn)
+    assert reply.content is None
+    assert [json.loads(c.arguments) for c in reply.tool_calls] == [{"city": "Paris"},
+                                                                   {"city": "Rome"}]
+
+
+def test_template_without_tools_is_plain_chatml(hermes_template):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "assistant", "content": "A"}]
+    assert hermes_template.render(messages=messages, add_generation_prompt=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        "<|im_start|>assistant\nA<|im_end|>\n")
+    prompt = hermes_template.render(messages=messages[1:2], tools=TOOLS,
+                                    add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n# Tools\n")
+    assert prompt.endswith("<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_content_with_text_parts(hermes_template):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "Sure.",
+                 "tool_calls": [{"function": {"name": "ping", "arguments": {}}}]}]
+    assert hermes_template.render(messages=messages) == (
+        "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nSure.\n"
+        '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call><|im_end|>\n')
