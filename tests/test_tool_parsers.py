@@ -27,7 +27,7 @@ from app.tool_parsers import (
     default_parser,
     get_parser,
 )
-from app.tool_parsers.grammar_schema import grammar_schema
+from core.structured_output.compiler import JSON_CHAR, xgrammar_structural_tag
 from gpu.random_model import build_tokenizer
 from templates import TEMPLATES_DIR
 
@@ -373,8 +373,7 @@ def test_structural_tag_shapes():
     assert [t["begin"] for t in fmt["tags"]] == [
         f'<tool_call>\n{{"name": "{n}", "arguments": ' for n in SCHEMAS]
     assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
-    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [
-        grammar_schema(s) for s in SCHEMAS.values()]
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == list(SCHEMAS.values())
     assert hermes.structural_tag(TOOLS, "auto", False)["format"]["stop_after_first"]
     required = hermes.structural_tag(TOOLS, "required", True)["format"]
     assert required["type"] == "tags_with_separator" and required["at_least_one"]
@@ -439,9 +438,11 @@ def test_bounded_strings_reach_the_grammar_as_patterns():
         "b": {"type": "array", "items": {"type": "string", "maxLength": 2}},
         "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
         "d": {"enum": [{"maxLength": 1}]}}}
-    assert grammar_schema(schema) == {"type": "object", "properties": {
-        "a": {"type": "string", "pattern": "^.{1,4}$"},
-        "b": {"type": "array", "items": {"type": "string", "pattern": "^.{0,2}$"}},
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
+    assert xgrammar_structural_tag(tag)["format"]["json_schema"] == {
+        "type": "object", "properties": {
+        "a": {"type": "string", "pattern": f"^{JSON_CHAR}{{1,4}}$"},
+        "b": {"type": "array", "items": {"type": "string", "pattern": f"^{JSON_CHAR}{{0,2}}$"}},
         "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
         "d": {"enum": [{"maxLength": 1}]}}}
 
@@ -449,7 +450,7 @@ def test_bounded_strings_reach_the_grammar_as_patterns():
 def test_bounded_strings_admit_no_control_characters(walker):
     compiler = walker[0]
     tag = get_parser("mistral").structural_tag(TOOLS, "required", False)
-    compiled = compiler.compile_structural_tag(json.dumps(tag))
+    compiled = compiler.compile_structural_tag(json.dumps(xgrammar_structural_tag(tag)))
     begin = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "a'
     for text, ok in [("b", True), ("\x00", False), ("\t", False), ("é" * 11, True),
                      ("é" * 12, False)]:
@@ -536,8 +537,8 @@ AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": ""}
 def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
     compiler, walker = walker
     parser = get_parser(name)
-    compiled = compiler.compile_structural_tag(
-        json.dumps(parser.structural_tag(TOOLS, choice, parallel)))
+    compiled = compiler.compile_structural_tag(json.dumps(xgrammar_structural_tag(
+        parser.structural_tag(TOOLS, choice, parallel))))
     rng = random.Random(f"{name}{choice}{parallel}")
     replies = []
     for _ in range(16):

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from app.tool_parsers.calls import CallSyntax, ParsedReply
-from app.tool_parsers.grammar_schema import grammar_schema
 from app.tool_parsers.streaming import ToolCallStreamer, split_reply
 
 EMPTY_PARAMETERS = {"type": "object"}
@@ -69,7 +68,7 @@ def _named_function(tool_choice: Any) -> str:
 
 
 def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": grammar_schema(schema)}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def calls_format(tags: list[dict[str, Any]], separator: str, parallel: bool

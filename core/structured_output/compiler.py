@@ -27,6 +27,7 @@ CACHE_ENTRIES = 512
 # as ranges of code points: xgrammar turns those into exact UTF-8 byte ranges, where ``.`` or
 # ``[^...]`` let through overlong and surrogate byte sequences, and a pattern's class may
 # hold a raw quote
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\\U0010FFFF]"
 
 
@@ -103,8 +104,9 @@ class GrammarCompiler:
             return c.compile_regex("|".join(re.escape(choice) for choice in spec.choice))
         if spec.grammar is not None:
             return c.compile_grammar(spec.grammar)
-        tag = spec.structural_tag
-        return c.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+        tag = json.loads(spec.structural_tag) if isinstance(spec.structural_tag, str) \
+            else spec.structural_tag
+        return c.compile_structural_tag(json.dumps(xgrammar_structural_tag(tag)))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -121,7 +123,8 @@ def bounded_strings(schema: Any) -> Any:
         return [bounded_strings(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: bounded_strings(value) for key, value in schema.items()}
+    out = {key: value if key in DATA_KEYWORDS else bounded_strings(value)
+           for key, value in schema.items()}
     lo, hi = out.get("minLength", 0), out.get("maxLength")
     bounded = "minLength" in out or "maxLength" in out
     free = not any(key in out for key in ("pattern", "format", "enum", "const"))
@@ -131,6 +134,17 @@ def bounded_strings(schema: Any) -> Any:
         out.pop("maxLength", None)
         out["pattern"] = f"^{JSON_CHAR}{{{lo},{'' if hi is None else hi}}}$"
     return out
+
+
+def xgrammar_structural_tag(tag: Any) -> Any:
+    """A structural tag with ``bounded_strings`` applied to every JSON schema in it."""
+    if isinstance(tag, list):
+        return [xgrammar_structural_tag(item) for item in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        return {**tag, "json_schema": bounded_strings(tag["json_schema"])}
+    return {key: xgrammar_structural_tag(value) for key, value in tag.items()}
 
 
 def _field(spec: StructuredOutputsParams) -> str:
