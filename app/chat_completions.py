@@ -13,6 +13,7 @@ from app.protocol import PreparedRequest, prepare_chat_request
 from app.serving import chat_logprobs, generate, read_request, usage
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState
+from app.tool_parsers import ToolCallStreamer
 from core.outputs import CompletionOutput, RequestOutput
 
 
@@ -42,6 +43,8 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
             event["usage"] = None
         return sse_event(event)
 
+    streamers = ({i: prep.tool_use.parser.streamer() for i in range(n)}
+                 if prep.tool_use is not None else {})
     for index in range(n):
         yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None})
@@ -52,7 +55,7 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
             cached = out.num_cached_tokens
             for comp in out.outputs:
                 generated += len(comp.token_ids)
-                choice = _delta_choice(state, prep, comp)
+                choice = _delta_choice(state, prep, comp, streamers.get(comp.index))
                 if choice is not None:
                     yield chunk(choice)
     except ApiError as err:
@@ -67,15 +70,51 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
     yield DONE
 
 
-def _delta_choice(state: ServerState, prep: PreparedRequest, comp: CompletionOutput
-                  ) -> dict[str, Any] | None:
-    if not comp.text and comp.finish_reason is None and not (prep.logprobs and comp.token_ids):
+def _delta_choice(state: ServerState, prep: PreparedRequest, comp: CompletionOutput,
+                  streamer: ToolCallStreamer | None = None) -> dict[str, Any] | None:
+    delta: dict[str, Any] = {"content": comp.text} if comp.text else {}
+    finish_reason = comp.finish_reason
+    if streamer is not None:
+        delta, finish_reason = _tool_delta(streamer, comp)
+    if not delta and finish_reason is None and not (prep.logprobs and comp.token_ids):
         return None
     logprobs = None
     if prep.logprobs:
         logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
-    return {"index": comp.index, "delta": {"content": comp.text} if comp.text else {},
-            "logprobs": logprobs, "finish_reason": comp.finish_reason}
+    return {"index": comp.index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def _tool_delta(streamer: ToolCallStreamer, comp: CompletionOutput
+                ) -> tuple[dict[str, Any], str | None]:
+    """The delta of a reply that may call tools: its text split into content and
+    ``tool_calls`` fragments; ``finish_reason`` "tool_calls" if it called any."""
+    parts = [streamer.feed(comp.text)] if comp.text else []
+    if comp.finish_reason is not None:
+        parts.append(streamer.finish())
+    delta: dict[str, Any] = {}
+    content = "".join(p.content for p in parts)
+    calls = [c for p in parts for c in p.tool_calls]
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta, _finish_reason(comp.finish_reason, bool(streamer.result().tool_calls))
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _message(prep: PreparedRequest, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """The non-streamed ``message`` and ``finish_reason`` of one choice."""
+    if prep.tool_use is None:
+        return {"role": "assistant", "content": comp.text}, comp.finish_reason
+    reply = prep.tool_use.parser.extract(comp.text)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+    return message, _finish_reason(comp.finish_reason, bool(reply.tool_calls))
 
 
 async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int, Any]:
@@ -102,9 +141,9 @@ async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int,
         logprobs = None
         if prep.logprobs:
             logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
-        choices.append({"index": comp.index,
-                        "message": {"role": "assistant", "content": comp.text},
-                        "logprobs": logprobs, "finish_reason": comp.finish_reason})
+        message, finish_reason = _message(prep, comp)
+        choices.append({"index": comp.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason})
     generated = sum(len(c.token_ids) for c in final.outputs)
     return 200, {
         "id": prep.request_id, "object": "chat.completion", "created": prep.created,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -49,25 +50,30 @@ def _environment() -> ImmutableSandboxedEnvironment:
 class ChatTemplate:
     template: jinja2.Template
     special_tokens: dict[str, str]
-    source: str  # "tokenizer" or the fallback file's path
+    source: str  # "tokenizer" or the template file's path
+    text: str = ""  # the template's own text
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> ChatTemplate:
+    def for_tokenizer(cls, tokenizer: Any, path: str | None = None) -> ChatTemplate:
+        """The template at ``path`` if given, else the tokenizer's, else the fallback."""
         text = getattr(tokenizer, "chat_template", None)
         source = "tokenizer"
         if isinstance(text, dict):  # several named templates: the default one
             text = text.get("default") or next(iter(text.values()), None)
+        if path:
+            text, source = Path(path).read_text(), str(path)
         if not text:
             text, source = FALLBACK_TEMPLATE.read_text(), str(FALLBACK_TEMPLATE)
         tokens = {name: str(getattr(tokenizer, name, None) or "")
                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return cls(_environment().from_string(text), tokens, source)
+        return cls(_environment().from_string(text), tokens, source, text)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-               ) -> str:
-        """The prompt for ``messages`` (each ``{"role", "content"}`` with string content)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for ``messages`` (each ``{"role", "content"}`` with string content, and
+        ``tool_calls`` or ``tool_call_id`` where the API gave them), offering ``tools``."""
         try:
-            return self.template.render(messages=messages,
+            return self.template.render(messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
         except ChatTemplateError:

@@ -163,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
                      help="largest request body accepted (larger ones get 413)")
 
+    chat = serve.add_argument_group("chat and tools")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja2 chat template to use instead of the model's")
+    chat.add_argument("--tool-call-parser", default="auto",
+                      choices=["auto", "hermes", "llama3_json", "mistral"],
+                      help="the format of the model's tool calls (default: the one its chat "
+                      "template uses, else hermes)")
+
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"], help="logging level")
@@ -201,7 +209,8 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-        host=args.host, port=args.port, allowed_origins=args.allowed_origins)
+        host=args.host, port=args.port, allowed_origins=args.allowed_origins,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser)
     app = build_app(engine, settings)
     try:
         logger.info("%s", startup_banner(engine, settings))

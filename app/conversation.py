@@ -4,7 +4,7 @@ oldest turns."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.chat_template import ChatTemplateError
 from app.errors import bad_request
@@ -25,9 +25,10 @@ def encode_prompt(state: ServerState, text: str, param: str, add_special_tokens:
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+def render_chat(state: ServerState, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> str:
     try:
-        return state.chat_template.render(messages)
+        return state.chat_template.render(messages, tools=tools)
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None

@@ -1,4 +1,4 @@
-"""The OpenAI request schemas, their validation, and their translation into engine requests.
+"""OpenAI requests translated into engine requests (the bodies' schemas: ``app/schemas.py``).
 
 Every way a request can be wrong ends as an ``ApiError`` (``app/errors.py``) that names the
 offending field (``param``) in OpenAI's error shape. ``prepare_chat_request`` and
@@ -11,165 +11,29 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import TYPE_CHECKING, Any
 
 from app.conversation import encode_prompt, fit_conversation, render_chat
 from app.errors import ApiError, bad_request
-from core.chat_messages import content_text
+from app.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    validate_body,
+)
+from app.structured import (
+    ToolUse,
+    from_response_format,
+    from_structured_outputs,
+    reply_constraint,
+    tool_constraint,
+)
 from core.sampling_params import SamplingParams
+from core.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from app.state import ServerState
-
-MAX_N = 128
-MAX_LOGPROBS = 20
-# Stop strings are matched in every new piece of text, on the engine's thread: a request's
-# share of that work stays small beside everyone else's step.
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 1024
-
-
-def parse_json_body(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object, whatever the Content-Type said."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}",
-                          code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    return data
-
-
-# -- schemas --------------------------------------------------------------------------------
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Model):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-class _SamplingFields(_Model):
-    """Fields shared by chat and text completions. ``None`` means the default."""
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
-    stop: Any = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = False
-    min_tokens: int | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> list[str]:
-        if value is None:
-            return []
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-            raise ValueError("must be a non-empty string or a list of non-empty strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
-        if max(len(s) for s in value) > MAX_STOP_CHARS:
-            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
-        return value
-
-
-class TextPart(_Model):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Model):
-    role: Literal["system", "user", "assistant"]
-    content: Any = None
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any) -> Any:
-        content_text(value)  # its ValueError names what is wrong
-        return value
-
-    def text(self) -> str:
-        return content_text(self.content)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: Any
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> list[str | list[int]]:
-        """Normalised to a list of prompts, each a string or a list of token ids."""
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and value:
-            if all(_is_int(t) for t in value):
-                return [value]
-            if all(isinstance(p, str) for p in value):
-                return value
-            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
-                return value
-        raise ValueError("must be a string, a list of strings, a non-empty list of token ids,"
-                         " or a list of non-empty token-id lists")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _validate(model: type[_Model], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = _param_name(err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            message = "this field is required"
-        raise bad_request(f"Invalid request: {param}: {message}", param) from None
-
-
-def _param_name(loc: tuple[Any, ...]) -> str:
-    """``("messages", 0, "role")`` -> ``"messages[0].role"``."""
-    name = ""
-    for part in loc:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        else:
-            name += f".{part}" if name else str(part)
-    return name
-
 
 # -- prepared requests ----------------------------------------------------------------------
 @dataclass
@@ -195,6 +59,7 @@ class PreparedRequest:
     # With truncation: how many of the oldest non-system messages were left out to fit the
     # context; ``None`` when truncation was not asked for.
     dropped_messages: int | None = None
+    tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
 
 
 @dataclass
@@ -229,16 +94,20 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     ``conversation.fit_conversation``."""
     if not require_model and body.get("model") is None:
         body = {**body, "model": state.served_model_name}
-    req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+    req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
     check_model(req.model, state)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     stream = _stream_flags(req)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     for i, m in enumerate(req.messages):
         if m.content is None and m.role != "assistant":
             raise bad_request(f"Invalid request: messages[{i}].content: this field is "
                               "required", f"messages[{i}].content")
+    tool_use, tool_spec = tool_constraint(state, req.tools, req.tool_choice,
+                                          req.parallel_tool_calls)
+    if tool_use is not None and truncate:
+        raise bad_request("tools are not offered in this chat", "tools")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
         else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -247,11 +116,14 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     params = _sampling_params(req, state, max_tokens=max_tokens,
                               logprobs=top if req.logprobs else None, names={
                                   "max_tokens": max_field, "logprobs": "top_logprobs"})
+    params = _constrained(params, req, tool_spec)
+    if tool_use is not None and tool_use.parser.name == "mistral":
+        params = params.clone(skip_special_tokens=False)  # its trigger is a special token
     dropped = None
     if truncate:
         prompt, token_ids, dropped = fit_conversation(state, messages, params)
     else:
-        prompt = render_chat(state, messages)
+        prompt = render_chat(state, messages, tool_use.tools if tool_use else None)
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")
@@ -259,12 +131,30 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
-        dropped_messages=dropped)
+        dropped_messages=dropped, tool_use=tool_use)
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template takes it: string content, and the tool fields given."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls is not None:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _constrained(params: SamplingParams, req: SamplingFields,
+                 tool_spec: StructuredOutputsParams | None = None) -> SamplingParams:
+    """``params`` with the one constraint the request puts on its reply, if any."""
+    spec = reply_constraint(from_response_format(req.response_format),
+                            from_structured_outputs(req.structured_outputs), tool_spec)
+    return params if spec is None else params.clone(structured_outputs=spec)
 
 
 def prepare_completion_request(body: dict[str, Any], state: ServerState
                                ) -> PreparedCompletion:
-    req: CompletionRequest = _validate(CompletionRequest, body)
+    req: CompletionRequest = validate_body(CompletionRequest, body)
     check_model(req.model, state)
     stream = _stream_flags(req)
     prompts = []
@@ -277,7 +167,8 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
             _check_token_ids(state, prompt, param)
             prompts.append(PromptInput(state.tokenizer.decode(prompt), list(prompt)))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, state, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = _constrained(_sampling_params(req, state, max_tokens=max_tokens,
+                                           logprobs=req.logprobs), req)
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         _fit_context(state, len(prompt.token_ids), params, param, "max_tokens")
@@ -293,7 +184,7 @@ def check_model(model: str, state: ServerState) -> None:
                             f"`{state.served_model_name}`.", "model", code="model_not_found")
 
 
-def _stream_flags(req: _SamplingFields) -> StreamFlags:
+def _stream_flags(req: SamplingFields) -> StreamFlags:
     opts = req.stream_options
     if opts is None:
         return StreamFlags()
@@ -303,7 +194,7 @@ def _stream_flags(req: _SamplingFields) -> StreamFlags:
     return StreamFlags(bool(opts.include_usage), bool(opts.continuous_usage_stats))
 
 
-def _sampling_params(req: _SamplingFields, state: ServerState, max_tokens: int | None,
+def _sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None,
                      logprobs: int | None, names: dict[str, str] | None = None
                      ) -> SamplingParams:
     """Build ``SamplingParams``; its ``ValueError`` names the field, mapped back to the

@@ -13,11 +13,12 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from app.errors import ApiError
-from app.protocol import parse_json_body
+from app.schemas import parse_json_body
 from app.state import ServerState
 from core.async_engine import EngineDeadError
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
+from core.structured_output.compiler import GrammarError
 
 Prepared = TypeVar("Prepared")
 
@@ -73,12 +74,25 @@ async def read_request(request: Request,
     body = await read_json_body(request)
     prepared = prepare(body, state)
     check_engine(state)
+    await check_grammar(state, prepared.params)  # type: ignore[attr-defined]
     return state, prepared
 
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body is larger than the limit of {limit} bytes",
                     code="request_too_large")
+
+
+async def check_grammar(state: ServerState, params: SamplingParams) -> None:
+    """400 naming the field when the request's reply constraint does not compile; checked
+    before a response starts, so a stream never opens for it."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await state.engine.compile_grammar(spec)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
 
 
 async def generate(state: ServerState, request_id: str, prompt_token_ids: list[int],

@@ -29,6 +29,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none: same origin only
+    chat_template: str | None = None  # a template file to use instead of the tokenizer's
+    tool_call_parser: str | None = None  # hermes, llama3_json, mistral; None: from the template
 
 
 @dataclass
@@ -57,7 +59,8 @@ class ServerState:
         return cls(
             engine=engine, tokenizer=engine.tokenizer, settings=settings,
             metrics=metrics or ServerMetrics(),
-            chat_template=ChatTemplate.for_tokenizer(engine.tokenizer),
+            chat_template=ChatTemplate.for_tokenizer(engine.tokenizer,
+                                                     settings.chat_template),
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
             max_num_seqs=core.config.max_num_seqs)

@@ -36,7 +36,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from app.errors import ApiError, bad_request
 from app.metrics import RequestTracker
 from app.protocol import PreparedRequest, prepare_chat_request
-from app.serving import chat_logprobs, generate, usage
+from app.serving import chat_logprobs, check_grammar, generate, usage
 from app.state import ServerState
 from core.outputs import CompletionOutput
 from templates import TEMPLATES_DIR
@@ -153,6 +153,7 @@ class ChatSocket:
             prepared = prepare_chat_request(body | {"stream": True}, self.state,
                                             require_model=False,
                                             truncate=truncation == "auto")
+            await check_grammar(self.state, prepared.params)
         except ApiError as exc:
             await self.send_error(exc, turn.id)
             return

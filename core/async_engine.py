@@ -23,6 +23,7 @@ from core.config import EngineConfig
 from core.engine_core import EngineCore, EngineStats
 from core.outputs import RequestOutput, RequestOutputCollector
 from core.sampling_params import SamplingParams
+from core.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,12 @@ class AsyncEngine:
         finally:
             if self._collectors.pop(request_id, None) is not None and not finished:
                 self.abort(request_id)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec``'s grammar off the engine thread (the compiler's cache keeps it for
+        the request that follows); raises ``GrammarError`` naming the field if it does not
+        compile, so a server can answer 400 before it starts a stream."""
+        await asyncio.wrap_future(self.core.structured.compiler.submit(spec))
 
     def abort(self, *request_ids: str) -> None:
         self._inbox.put(_Abort(list(request_ids)))

@@ -413,6 +413,7 @@ def test_serve_help_groups_flags_by_topic() -> None:
     assert "max_num_batched_tokens" in groups["engine and scheduler"]
     assert {"device", "cpu_kernels", "enforce_eager"} <= set(groups["device (CPU and GPU)"])
     assert groups["API and security"] == ["api_key", "allowed_origins", "max_request_bytes"]
+    assert groups["chat and tools"] == ["chat_template", "tool_call_parser"]
     assert groups["logging"] == ["log_level"]
 
 

@@ -27,6 +27,9 @@ CACHE_ENTRIES = 512
 # as ranges of code points: xgrammar turns those into exact UTF-8 byte ranges, where ``.`` or
 # ``[^...]`` let through overlong and surrogate byte sequences, and a pattern's class may
 # hold a raw quote
+# the longest run of whitespace in the JSON of a structural tag (tool arguments): room for a
+# newline and an indent, none for a model that would fill max_tokens with spaces
+TAG_JSON_MAX_WHITESPACE = 4
 DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\\U0010FFFF]"
 
@@ -137,13 +140,16 @@ def bounded_strings(schema: Any) -> Any:
 
 
 def xgrammar_structural_tag(tag: Any) -> Any:
-    """A structural tag with ``bounded_strings`` applied to every JSON schema in it."""
+    """A structural tag with ``bounded_strings`` applied to every JSON schema in it, and their
+    runs of whitespace capped (a structural tag's JSON takes any whitespace otherwise)."""
     if isinstance(tag, list):
         return [xgrammar_structural_tag(item) for item in tag]
     if not isinstance(tag, dict):
         return tag
     if tag.get("type") == "json_schema" and "json_schema" in tag:
-        return {**tag, "json_schema": bounded_strings(tag["json_schema"])}
+        whitespace = tag.get("max_whitespace_cnt") or TAG_JSON_MAX_WHITESPACE
+        return {**tag, "json_schema": bounded_strings(tag["json_schema"]),
+                "max_whitespace_cnt": whitespace}
     return {key: xgrammar_structural_tag(value) for key, value in tag.items()}
 
 

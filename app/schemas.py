@@ -1,0 +1,165 @@
+"""The OpenAI request bodies as pydantic models, and their validation into ``ApiError``s
+that name the field at fault."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.errors import bad_request
+from core.chat_messages import content_text
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+# Stop strings are matched in every new piece of text, on the engine's thread: a request's
+# share of that work stays small beside everyone else's step.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, whatever the Content-Type said."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}",
+                          code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object")
+    return data
+
+
+# -- schemas --------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by chat and text completions. ``None`` means the default."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: Any = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: Any = None  # vLLM's: json, regex, choice, grammar, ...
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if max(len(s) for s in value) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Any = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        content_text(value)  # its ValueError names what is wrong
+        return value
+
+    def text(self) -> str:
+        return content_text(self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> list[str | list[int]]:
+        """Normalised to a list of prompts, each a string or a list of token ids."""
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value:
+            if all(_is_int(t) for t in value):
+                return [value]
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+                return value
+        raise ValueError("must be a string, a list of strings, a non-empty list of token ids,"
+                         " or a list of non-empty token-id lists")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_body(model: type[_Model], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = _param_name(err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            message = "this field is required"
+        raise bad_request(f"Invalid request: {param}: {message}", param) from None
+
+
+def _param_name(loc: tuple[Any, ...]) -> str:
+    """``("messages", 0, "role")`` -> ``"messages[0].role"``."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        else:
+            name += f".{part}" if name else str(part)
+    return name
