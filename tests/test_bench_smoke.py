@@ -252,6 +252,35 @@ def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
     assert (tmp_path / "smoke_throughput.png").is_file()
 
 
+@pytest.mark.slow
+def test_structured_run_on_tiny_model(tiny_model: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/structured.py`` end to end at tiny sizes: both arms, every constrained reply
+    checked (one that finished must validate), and the compile times."""
+    import bench.structured as structured
+
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    path = structured.main(["--model", str(tiny_model), "--num-requests", "4",
+                            "--concurrency", "2", "--rounds", "1", "--max-tokens", "16",
+                            "--input-len", "16", "--compile-probes", "1", "--name", "smoke",
+                            "--server-arg=--kv-cache-memory=8MiB"])
+    assert path == tmp_path / "structured-smoke.json"
+    result = json.loads(path.read_text())
+    for arm in ("free", "constrained"):
+        report = result["arms"][arm]["median_round"]["classes"]["all"]
+        assert report["completed"] == 4 and report["failed"] == 0, report["errors"]
+    free = result["arms"]["free"]["median_round"]["classes"]["all"]
+    assert free["output_tokens_per_request"]["min"] == 16  # ignore_eos
+    verdicts = result["arms"]["constrained"]["validity"]
+    assert verdicts["invalid"] == verdicts["failed"] == 0
+    assert verdicts["valid"] + verdicts["cut"] == 4
+    assert set(result["ratios"]) == {"output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms"}
+    compile_ms = result["compile"]
+    assert compile_ms["in_process_cold_ms"] > compile_ms["in_process_cached_ms"] >= 0
+    text = (tmp_path / "structured-smoke.md").read_text()
+    assert "| free |" in text and "| constrained |" in text and "- host: " in text
+
+
 def test_profile_step_on_tiny_model(tiny_model: Path) -> None:
     from bench.profile_step import main
 

@@ -91,6 +91,47 @@ def test_json_object_samples_that_end_all_parse(llm):
         assert out.text.startswith("{")
 
 
+TOOL_SCHEMA = {"type": "object",
+               "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+               "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_SCHEMA}},
+         {"type": "function", "function": {"name": "search", "parameters": SCHEMA}}]
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_forced_tool_call_samples_all_parse_and_validate(llm, parser_name, choice):
+    from app.tool_parsers import get_parser
+
+    parser = get_parser(parser_name)
+    tag = parser.structural_tag(TOOLS, choice, False)
+    spec = StructuredOutputsParams(structural_tag=tag, field="tools")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for out in _samples(llm, spec, max_tokens=240):
+        assert out.finish_reason == "stop", out.text
+        reply = parser.extract(out.text)
+        assert len(reply.tool_calls) == 1 and not reply.content, out.text
+        call = reply.tool_calls[0]
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_async_scheduling_gives_the_same_constrained_tokens(random_dir):
+    """With async scheduling a step is launched before the last one's tokens are known; a
+    step with constrained rows takes them first, so every matcher advances in order."""
+    params = SamplingParams(temperature=0.0, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = ["Once upon a time", "The king said", "Hello there", "Speak:"]
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(random_dir), async_scheduling=async_scheduling)
+        outs = llm.generate(prompts + prompts, [params] * 4 + [free] * 4)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
 def test_greedy_constrained_is_deterministic_and_free_rows_keep_their_tokens(random_dir):
     llm = LLM(str(random_dir))
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -130,6 +171,24 @@ def test_bounded_strings_get_a_pattern_of_the_same_lengths():
     assert schema["items"] == {"type": "string", "pattern": f"^{JSON_CHAR}{{0,3}}$"}
     keep = {"type": "string", "maxLength": 3, "enum": ["a"]}
     assert bounded_strings(keep) == keep
+
+
+def test_bounded_strings_hold_only_what_json_strings_may_hold_unescaped():
+    manager = StructuredOutputManager(TOKENIZER, 512, [TOKENIZER.eos_token_id])
+    spec = StructuredOutputsParams(json={"type": "string", "maxLength": 3})
+    compiled = manager.compiler.submit(spec).result()
+    import xgrammar as xgr
+
+    def accepts(value: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return bool(matcher.accept_string(b'"' + value + b'"') and matcher.is_completed())
+
+    # control characters, quote, backslash, overlong forms, surrogates, past U+10FFFF
+    for bad in [b"\x01", b"\t", b'"', b"\\", b"\xc0\xaf", b"\xe0\x98\x80", b"\xed\xa8\xb0",
+                b"\xf0\x80\x80\x80", b"\xf4\x90\x80\x80", b"\xff", b"abcd"]:
+        assert not accepts(bad), bad
+    for good in ["abc", "日本語", "é", "😀", "\U0010ffff", "\ue000", " ~"]:
+        assert accepts(good.encode()), good
 
 
 def test_spec_needs_exactly_one_constraint():

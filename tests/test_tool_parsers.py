@@ -27,7 +27,7 @@ from app.tool_parsers import (
     default_parser,
     get_parser,
 )
-from core.structured_output.compiler import JSON_CHAR, xgrammar_structural_tag
+from core.structured_output.compiler import structural_tag_json
 from gpu.random_model import build_tokenizer
 from templates import TEMPLATES_DIR
 
@@ -432,25 +432,10 @@ def test_get_parser_and_default_parser():
     assert default_parser(None) is None
 
 
-def test_bounded_strings_reach_the_grammar_as_patterns():
-    schema = {"type": "object", "properties": {
-        "a": {"type": "string", "minLength": 1, "maxLength": 4},
-        "b": {"type": "array", "items": {"type": "string", "maxLength": 2}},
-        "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
-        "d": {"enum": [{"maxLength": 1}]}}}
-    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
-    assert xgrammar_structural_tag(tag)["format"]["json_schema"] == {
-        "type": "object", "properties": {
-        "a": {"type": "string", "pattern": f"^{JSON_CHAR}{{1,4}}$"},
-        "b": {"type": "array", "items": {"type": "string", "pattern": f"^{JSON_CHAR}{{0,2}}$"}},
-        "c": {"type": "string", "pattern": "^x+$", "maxLength": 3},
-        "d": {"enum": [{"maxLength": 1}]}}}
-
-
 def test_bounded_strings_admit_no_control_characters(walker):
     compiler = walker[0]
     tag = get_parser("mistral").structural_tag(TOOLS, "required", False)
-    compiled = compiler.compile_structural_tag(json.dumps(xgrammar_structural_tag(tag)))
+    compiled = compiler.compile_structural_tag(structural_tag_json(tag))
     begin = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "a'
     for text, ok in [("b", True), ("\x00", False), ("\t", False), ("é" * 11, True),
                      ("é" * 12, False)]:
@@ -537,8 +522,8 @@ AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": ""}
 def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
     compiler, walker = walker
     parser = get_parser(name)
-    compiled = compiler.compile_structural_tag(json.dumps(xgrammar_structural_tag(
-        parser.structural_tag(TOOLS, choice, parallel))))
+    compiled = compiler.compile_structural_tag(structural_tag_json(
+        parser.structural_tag(TOOLS, choice, parallel)))
     rng = random.Random(f"{name}{choice}{parallel}")
     replies = []
     for _ in range(16):

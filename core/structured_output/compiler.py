@@ -23,15 +23,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 CACHE_ENTRIES = 512
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 # a character a JSON string may hold unescaped (no control character, quote or backslash),
 # as ranges of code points: xgrammar turns those into exact UTF-8 byte ranges, where ``.`` or
 # ``[^...]`` let through overlong and surrogate byte sequences, and a pattern's class may
-# hold a raw quote
-# the longest run of whitespace in the JSON of a structural tag (tool arguments): room for a
-# newline and an indent, none for a model that would fill max_tokens with spaces
-TAG_JSON_MAX_WHITESPACE = 4
-DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
-JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\\U0010FFFF]"
+# hold a raw quote. (U+10FFFF is the character itself: xgrammar's regex has no \\U escape.)
+JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\U0010FFFF]"
 
 
 class GrammarError(ValueError):
@@ -97,8 +94,7 @@ class GrammarCompiler:
         assert c is not None
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            return c.compile_json_schema(json.dumps(bounded_strings(schema)),
-                                         any_whitespace=False)
+            return c.compile_json_schema(_dumps(bounded_strings(schema)), any_whitespace=False)
         if spec.json_object:
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.regex is not None:
@@ -109,7 +105,7 @@ class GrammarCompiler:
             return c.compile_grammar(spec.grammar)
         tag = json.loads(spec.structural_tag) if isinstance(spec.structural_tag, str) \
             else spec.structural_tag
-        return c.compile_structural_tag(json.dumps(xgrammar_structural_tag(tag)))
+        return c.compile_structural_tag(structural_tag_json(tag))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -140,17 +136,30 @@ def bounded_strings(schema: Any) -> Any:
 
 
 def xgrammar_structural_tag(tag: Any) -> Any:
-    """A structural tag with ``bounded_strings`` applied to every JSON schema in it, and their
-    runs of whitespace capped (a structural tag's JSON takes any whitespace otherwise)."""
+    """A structural tag with each JSON schema in it replaced by the grammar of that schema's
+    JSON on one line (``bounded_strings`` applied): a structural tag's own JSON takes any
+    whitespace between tokens."""
+    import xgrammar as xgr
+
     if isinstance(tag, list):
         return [xgrammar_structural_tag(item) for item in tag]
     if not isinstance(tag, dict):
         return tag
     if tag.get("type") == "json_schema" and "json_schema" in tag:
-        whitespace = tag.get("max_whitespace_cnt") or TAG_JSON_MAX_WHITESPACE
-        return {**tag, "json_schema": bounded_strings(tag["json_schema"]),
-                "max_whitespace_cnt": whitespace}
+        schema = _dumps(bounded_strings(tag["json_schema"]))
+        return {"type": "grammar",
+                "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
     return {key: xgrammar_structural_tag(value) for key, value in tag.items()}
+
+
+def structural_tag_json(tag: Any) -> str:
+    """The structural tag as xgrammar's compiler takes it (``xgrammar_structural_tag``)."""
+    return _dumps(xgrammar_structural_tag(tag))
+
+
+def _dumps(value: Any) -> str:
+    """JSON for xgrammar, non-ASCII characters as themselves (``JSON_CHAR`` holds one)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _field(spec: StructuredOutputsParams) -> str:

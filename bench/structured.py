@@ -1,0 +1,541 @@
+"""Structured outputs under load: what holding every reply to a JSON schema costs a server.
+
+Starts one tidal server (``python -m app serve``, with the flags the serving comparison gives
+tidal) on the benchmark Llama (``--shape llama-28m``; ``--model DIR`` for another) and sends
+it streamed, greedy ``/v1/completions`` with text prompts of ``--input-len`` tokens, at
+``--concurrency`` requests in flight, ``--num-requests`` per round, in two arms that take
+turns round by round (free, constrained, free, constrained, ...):
+
+- ``free``: ``ignore_eos``, so every reply runs to ``--max-tokens``;
+- ``constrained``: every request carries ``response_format`` ``json_schema`` with the shared
+  mid-sized schema (``bench/structured_workload.py``'s ``MID_SCHEMA``); a reply ends where its
+  JSON closes, or at ``--max-tokens``.
+
+Replies differ in length between the arms, so the comparison is of output tokens actually
+streamed per second, TTFT and ITL; both arms count output tokens alike, from the usage the
+stream ends with. Every constrained reply is parsed and validated with ``jsonschema``: one
+cut by ``--max-tokens`` is counted apart from one that finished and still does not validate
+(the latter would be a server bug). Each arm's median round by output tok/s is reported, with
+every round's figure and the ratios constrained / free (the targets: at least 0.9x the
+throughput, at most 1.2x the TTFT p50).
+
+Grammar compile times, before the rounds, one request at a time (``max_tokens`` 1): TTFT of a
+free request, of the first constrained request (xgrammar's import and the vocabulary's
+reading come with it), of a schema no cache holds yet (``MID_SCHEMA`` with a property renamed)
+and of the same schema again; the difference from the free TTFT is the compile. After the
+server stops, the same in this process through ``GrammarCompiler`` itself.
+
+    python -m bench.structured
+    python -m bench.structured --num-requests 8 --concurrency 2 --rounds 1 --name quick
+
+Writes ``bench/results/structured[-NAME].json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonschema
+import orjson
+
+from app.cli import run_event_loop
+from bench.common import host_line, write_result
+from bench.load_generator import (
+    STREAM_ERRORS,
+    RequestResult,
+    Workload,
+    client_session,
+    request_body,
+    scrape,
+    summarize,
+)
+from bench.model_shapes import ALL_SHAPES
+from bench.processes import LaunchedServer
+from bench.prompt_text import text_prompts
+from bench.server_metrics import server_side
+from bench.serving_comparison import median_round, model_params_m, resolve_model
+from bench.structured_workload import MID_SCHEMA
+
+ARMS = ("free", "constrained")
+TARGETS = {"output tok/s": (">=", 0.9), "TTFT p50 ms": ("<=", 1.2)}
+# (label, path into a load-generator summary)
+METRICS = (("output tok/s", ("output_token_throughput_per_s",)),
+           ("TTFT p50 ms", ("ttft", "median_ms")), ("TTFT p99 ms", ("ttft", "p99_ms")),
+           ("ITL p50 ms", ("itl", "median_ms")))
+PROBE_SEED, WARM_UP_SEED = 50_000, 70_000
+
+
+@dataclass
+class Reply(RequestResult):
+    """A stream's timings as the load generator takes them, with its text and finish."""
+
+    text: str = ""
+    finish_reason: str | None = None
+
+
+# -- what is sent ---------------------------------------------------------------------------
+def schema_variant(i: int) -> dict:
+    """``MID_SCHEMA`` with its ``name`` property renamed ``name_<i>``: a grammar of the same
+    size that no cache holds yet."""
+    props = {(f"name_{i}" if k == "name" else k): v for k, v in MID_SCHEMA["properties"].items()}
+    required = [f"name_{i}" if k == "name" else k for k in MID_SCHEMA["required"]]
+    return {**MID_SCHEMA, "properties": props, "required": required}
+
+
+def constraint(schema: dict) -> dict[str, Any]:
+    return {"ignore_eos": False, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "record", "schema": schema}}}
+
+
+def bodies(arm: str, model: str, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+    """Streamed greedy bodies with usage at the end (``request_body``'s), the constrained arm's
+    held to ``MID_SCHEMA``."""
+    extra = constraint(MID_SCHEMA) if arm == "constrained" else {}
+    return [request_body("tidal", model, p, max_tokens) | extra for p in prompts]
+
+
+# -- streaming ------------------------------------------------------------------------------
+def _take_event(reply: Reply, event: dict[str, Any], now: float, last: float | None,
+                start: float) -> float | None:
+    """Fold one SSE event into ``reply``; the time of the last chunk with text."""
+    if event.get("usage"):
+        reply.output_tokens = event["usage"].get("completion_tokens", 0)
+        reply.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+    for choice in event.get("choices") or []:
+        reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
+        if not choice.get("text"):
+            continue
+        reply.text += choice["text"]
+        if last is None:
+            reply.ttft = now - start
+        else:
+            reply.itl.append(now - last)
+        last = now
+    return last
+
+
+async def stream_one(client: aiohttp.ClientSession, body: dict[str, Any]) -> Reply:
+    """One streamed completion, timed as ``load_generator.one_request`` times it (TTFT at the
+    first chunk with text, output tokens from the usage), its text and finish reason kept."""
+    reply, start, last, done = Reply(ok=False), time.perf_counter(), None, False
+    try:
+        async with client.post("/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                reply.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return reply
+            async for raw in resp.content:
+                if not raw.startswith(b"data: "):
+                    continue
+                data = raw[6:].rstrip(b"\r\n")
+                if data == b"[DONE]":
+                    done = True
+                    break
+                event = orjson.loads(data)
+                if "error" in event:
+                    reply.error = str(event["error"])
+                    return reply
+                last = _take_event(reply, event, time.perf_counter(), last, start)
+        reply.ok = done and last is not None
+        reply.error = "" if reply.ok else "the stream ended without [DONE] or any text"
+    except STREAM_ERRORS as exc:
+        reply.error = repr(exc)
+    reply.e2e = time.perf_counter() - start
+    return reply
+
+
+async def send_all(url: str, payloads: list[dict[str, Any]], concurrency: int
+                   ) -> tuple[list[Reply], float, dict | None]:
+    """Every body at ``concurrency`` in flight: the replies, the seconds it took and the
+    server's side of it from ``/metrics``."""
+    async with client_session(url, concurrency + 4) as client:
+        limit = asyncio.Semaphore(concurrency)
+
+        async def limited(body: dict[str, Any]) -> Reply:
+            async with limit:
+                return await stream_one(client, body)
+
+        before = await scrape(client)
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(limited(b) for b in payloads))
+        duration = time.perf_counter() - start
+        after = await scrape(client)
+    side = server_side(before, after, duration) if before and after else None
+    return list(replies), duration, side
+
+
+# -- checking the constrained replies -------------------------------------------------------
+def verdict(reply: Reply, schema: dict) -> str:
+    """``valid``, ``cut`` (ended by max_tokens before the JSON closed), ``invalid`` (finished
+    otherwise and does not parse or validate) or ``failed`` (the request itself failed)."""
+    if not reply.ok:
+        return "failed"
+    try:
+        jsonschema.validate(json.loads(reply.text), schema)
+        return "valid"
+    except (ValueError, jsonschema.ValidationError):
+        return "cut" if reply.finish_reason == "length" else "invalid"
+
+
+def validity(replies: list[Reply], schema: dict) -> dict[str, Any]:
+    counts = {"valid": 0, "cut": 0, "invalid": 0, "failed": 0}
+    examples = []
+    for reply in replies:
+        v = verdict(reply, schema)
+        counts[v] += 1
+        if v == "invalid" and len(examples) < 3:
+            examples.append({"finish_reason": reply.finish_reason, "text": reply.text[:300]})
+    return counts | {"invalid_examples": examples}
+
+
+# -- the runs -------------------------------------------------------------------------------
+def run_round(server: LaunchedServer, arm: str, prompts: list[str], args: argparse.Namespace
+              ) -> dict[str, Any]:
+    payloads = bodies(arm, server.model, prompts, args.max_tokens)
+    replies, duration, side = run_event_loop(send_all(server.url, payloads, args.concurrency))
+    work = Workload(args.input_len, args.max_tokens, len(prompts), args.concurrency)
+    report: dict[str, Any] = {"classes": {"all": summarize(replies, duration, work)},
+                              "finish_reasons": _finish_reasons(replies),
+                              "load_average_after": round(os.getloadavg()[0], 2)}
+    if side:
+        report["server"] = side
+    if arm == "constrained":
+        report["validity"] = validity(replies, MID_SCHEMA)
+    return report
+
+
+def _finish_reasons(replies: list[Reply]) -> dict[str, int]:
+    reasons: dict[str, int] = {}
+    for r in replies:
+        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
+    return reasons
+
+
+def run_arms(server: LaunchedServer, prompts: dict[str, list[list[str]]],
+             args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """``--rounds`` rounds of each arm, the arms taking turns."""
+    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    for r in range(args.rounds):
+        for arm in ARMS:
+            t0 = time.perf_counter()
+            rounds[arm].append(run_round(server, arm, prompts[arm][r], args))
+            _progress(arm, r, rounds[arm][-1], time.perf_counter() - t0)
+    return rounds
+
+
+def _progress(arm: str, r: int, report: dict[str, Any], seconds: float) -> None:
+    rep = report["classes"]["all"]
+    ttft = (rep.get("ttft") or {}).get("median_ms") or 0
+    checked = report.get("validity")
+    valid = "" if checked is None else f", {checked['valid']} valid"
+    print(f"[{arm}] round {r + 1} ({seconds:.0f} s): "
+          f"{rep['output_token_throughput_per_s']:.1f} tok/s, TTFT p50 {ttft:.0f} ms, "
+          f"{rep['failed']} failed{valid}", flush=True)
+
+
+def warm_up(server: LaunchedServer, arm: str, tokenizer: Any, args: argparse.Namespace,
+            seed: int) -> None:
+    """One unmeasured wave of the arm: as many requests as the concurrency."""
+    prompts = text_prompts(tokenizer, args.concurrency, args.input_len, seed)
+    replies, _, _ = run_event_loop(send_all(
+        server.url, bodies(arm, server.model, prompts, args.max_tokens), args.concurrency))
+    failed = [r.error for r in replies if not r.ok]
+    if failed:
+        raise RuntimeError(f"{arm} warm-up failed: {failed[:3]}")
+
+
+# -- compile times --------------------------------------------------------------------------
+def probe_ttft_ms(server: LaunchedServer, prompt: str, schema: dict | None) -> float:
+    """TTFT of one request alone, ``max_tokens`` 1, constrained to ``schema`` if given."""
+    body = request_body("tidal", server.model, prompt, 1)
+    if schema is not None:
+        body |= constraint(schema)
+    replies, _, _ = run_event_loop(send_all(server.url, [body], 1))
+    if not replies[0].ok:
+        raise RuntimeError(f"compile probe failed: {replies[0].error}")
+    return replies[0].ttft * 1e3
+
+
+def server_compile_times(server: LaunchedServer, tokenizer: Any, args: argparse.Namespace
+                         ) -> dict[str, Any]:
+    """TTFTs of free requests, of the first constrained one, and of ``--compile-probes``
+    new schemas each sent twice (cold, then cached), every request with a prompt of its own."""
+    prompts = iter(text_prompts(tokenizer, 3 * args.compile_probes + 2, args.input_len,
+                                PROBE_SEED))
+    free = [probe_ttft_ms(server, next(prompts), None)]
+    first = probe_ttft_ms(server, next(prompts), schema_variant(0))
+    cold, cached = [], []
+    for i in range(1, args.compile_probes + 1):
+        free.append(probe_ttft_ms(server, next(prompts), None))
+        cold.append(probe_ttft_ms(server, next(prompts), schema_variant(i)))
+        cached.append(probe_ttft_ms(server, next(prompts), schema_variant(i)))
+    return {"free_ttft_ms": free, "first_ttft_ms": first, "cold_ttft_ms": cold,
+            "cached_ttft_ms": cached}
+
+
+def timed_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def in_process_compile_times(model: str, probes: int) -> dict[str, Any]:
+    """``GrammarCompiler.submit(...).result()`` as the engine builds it for ``model``: the
+    first (xgrammar's import, the vocabulary and a compile), ``probes`` new schemas, the
+    same again from the cache."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from core.structured_output.compiler import GrammarCompiler
+    from core.structured_output.params import StructuredOutputsParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+
+    def compile_ms(i: int) -> float:
+        return timed_ms(compiler.submit(StructuredOutputsParams(json=schema_variant(i))).result)
+
+    try:
+        first = compile_ms(0)
+        cold = [compile_ms(i) for i in range(1, probes + 1)]
+        cached = [compile_ms(i) for i in range(1, probes + 1)]
+    finally:
+        compiler.shutdown()
+    return {"vocab_size": vocab, "first_ms": first, "cold_ms": cold, "cached_ms": cached}
+
+
+# -- the report -----------------------------------------------------------------------------
+def metric(report: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
+    value: Any = report
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def ratios(free: dict[str, Any], constrained: dict[str, Any]) -> dict[str, float | None]:
+    """constrained / free for every metric of ``METRICS``."""
+    out: dict[str, float | None] = {}
+    for label, path in METRICS:
+        a, b = metric(constrained, path), metric(free, path)
+        out[label] = a / b if a is not None and b else None
+    return out
+
+
+def totals(rounds: list[dict[str, Any]]) -> dict[str, int]:
+    """The constrained arm's reply verdicts over every round."""
+    out: dict[str, int] = {}
+    for r in rounds:
+        for key, value in r.get("validity", {}).items():
+            if isinstance(value, int):
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def summarize_arms(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    arms = {}
+    for arm, reps in rounds.items():
+        arms[arm] = {"median_round": median_round(reps), "rounds": reps}
+        if arm == "constrained":
+            arms[arm]["validity"] = totals(reps)
+    return arms
+
+
+def compile_summary(server: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+    med = statistics.median
+    free = med(server["free_ttft_ms"])
+    return {"server_free_ttft_ms": free, "server_first_ttft_ms": server["first_ttft_ms"],
+            "server_cold_ttft_ms": med(server["cold_ttft_ms"]),
+            "server_cached_ttft_ms": med(server["cached_ttft_ms"]),
+            "server_first_compile_ms": server["first_ttft_ms"] - free,
+            "server_cold_compile_ms": med(server["cold_ttft_ms"]) - free,
+            "server_cached_compile_ms": med(server["cached_ttft_ms"]) - free,
+            "in_process_first_ms": local["first_ms"],
+            "in_process_cold_ms": med(local["cold_ms"]),
+            "in_process_cached_ms": med(local["cached_ms"])}
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def arm_table(result: dict[str, Any]) -> str:
+    head = ["arm", *(label for label, _ in METRICS), "mean out tokens", "invalid replies"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, data in result["arms"].items():
+        rep = data["median_round"]["classes"]["all"]
+        cells = [_fmt(metric(rep, path)) for _, path in METRICS]
+        mean_out = _fmt(metric(rep, ("output_tokens_per_request", "mean")))
+        lines.append("| " + " | ".join([arm, *cells, mean_out, _invalid_cell(data)]) + " |")
+    return "\n".join(lines)
+
+
+def _invalid_cell(arm: dict[str, Any]) -> str:
+    counts = arm.get("validity")
+    if counts is None:
+        return "-"
+    checked = sum(counts.values())
+    bad = checked - counts.get("valid", 0)
+    return (f"{bad} of {checked} ({counts.get('cut', 0)} cut by max_tokens, "
+            f"{counts.get('invalid', 0)} finished invalid, {counts.get('failed', 0)} failed)")
+
+
+def ratio_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for label, value in result["ratios"].items():
+        line = f"- {label}: {_fmt(value, 2)}x"
+        if label in TARGETS and value is not None:
+            op, bound = TARGETS[label]
+            met = value >= bound if op == ">=" else value <= bound
+            line += f" (target {op} {bound}x: {'met' if met else 'missed'})"
+        lines.append(line)
+    return lines
+
+
+def rounds_table(result: dict[str, Any]) -> str:
+    """Every round's output tok/s in each arm, and constrained / free round by round."""
+    per_arm = {arm: [r["classes"]["all"]["output_token_throughput_per_s"] for r in d["rounds"]]
+               for arm, d in result["arms"].items()}
+    lines = ["| round | " + " | ".join(f"{a} tok/s" for a in per_arm) + " | ratio |",
+             "|---|" + "---|" * (len(per_arm) + 1)]
+    for r, (free, held) in enumerate(zip(per_arm["free"], per_arm["constrained"])):
+        ratio = held / free if free else None
+        lines.append(f"| {r + 1} | {_fmt(free)} | {_fmt(held)} | {_fmt(ratio, 2)}x |")
+    return "\n".join(lines)
+
+
+def compile_table(c: dict[str, Any], probes: int) -> str:
+    return "\n".join([
+        "| measured | free | first constrained | new schema (cold) | same schema (cached) |",
+        "|---|---|---|---|---|",
+        f"| server TTFT ms, max_tokens 1 (median of {probes}) | "
+        f"{_fmt(c['server_free_ttft_ms'])} | {_fmt(c['server_first_ttft_ms'])} | "
+        f"{_fmt(c['server_cold_ttft_ms'])} | {_fmt(c['server_cached_ttft_ms'])} |",
+        "| server: TTFT minus free TTFT (the compile) ms | - | "
+        f"{_fmt(c['server_first_compile_ms'])} | {_fmt(c['server_cold_compile_ms'])} | "
+        f"{_fmt(c['server_cached_compile_ms'])} |",
+        "| in process: `GrammarCompiler.submit(...).result()` ms | - | "
+        f"{_fmt(c['in_process_first_ms'])} | {_fmt(c['in_process_cold_ms'])} | "
+        f"{_fmt(c['in_process_cached_ms'], 3)} |"])
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["setup"]
+    parts = [
+        f"# Structured outputs: constrained against free ({result.get('date', '')})", "",
+        f"- host: {host_line(result.get('machine', {}))}",
+        f"- model: `{s['model']}` ({s['model_params_m']}M parameters"
+        f"{', shape ' + s['shape'] if s['shape'] else ''}); tidal args: "
+        f"`{' '.join(s['tidal_args']) or '(defaults)'}`",
+        f"- workload: streamed `/v1/completions`, concurrency {s['concurrency']}, "
+        f"{s['num_requests']} requests per round, {s['input_len']}-token text prompts, "
+        f"max_tokens {s['max_tokens']}, greedy; free: `ignore_eos`; constrained: "
+        "`response_format` json_schema `MID_SCHEMA`",
+        f"- rounds: {s['rounds']} per arm, the arms taking turns; each arm's median round by "
+        f"output tok/s below; load average at start/end: {s['load_average']}", "",
+        arm_table(result), "", "Ratios constrained / free:", "", *ratio_lines(result), "",
+        "## Rounds", "", rounds_table(result), "",
+        "## Grammar compile times", "", compile_table(result["compile"], s["compile_probes"]),
+        ""]
+    return "\n".join(parts)
+
+
+# -- the command line -----------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model directory (instead of --shape)")
+    ap.add_argument("--shape", choices=list(ALL_SHAPES), default=None,
+                    help="a random float32 model of this shape (default: llama-28m, the "
+                    "benchmark Llama, unless --model is given)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for tidal (repeatable)")
+    ap.add_argument("--num-requests", type=int, default=96, help="requests per round")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each arm")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--compile-probes", type=int, default=8,
+                    help="new schemas timed cold and cached")
+    ap.add_argument("--name", default=None,
+                    help="results file suffix: bench/results/structured-NAME.{json,md}")
+    args = ap.parse_args(argv)
+    if args.model and args.shape:
+        ap.error("--model and --shape are alternatives: give one")
+    if min(args.num_requests, args.concurrency, args.rounds, args.compile_probes) < 1:
+        ap.error("--num-requests, --concurrency, --rounds and --compile-probes must be >= 1")
+    if not args.model:
+        args.shape = args.shape or "llama-28m"
+    return args
+
+
+def round_prompts(tokenizer: Any, args: argparse.Namespace) -> dict[str, list[list[str]]]:
+    """Prompts of their own for every round of every arm (repeats would hit the prefix
+    cache)."""
+    return {arm: [text_prompts(tokenizer, args.num_requests, args.input_len,
+                               1000 * (a + 1) + 10 * r) for r in range(args.rounds)]
+            for a, arm in enumerate(ARMS)}
+
+
+def serve(model: str, tokenizer: Any, args: argparse.Namespace
+          ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """Start tidal, warm it up free, time the compiles, warm it up constrained, run the
+    rounds; the server's compile probes and the rounds."""
+    prompts = round_prompts(tokenizer, args)
+    server = LaunchedServer(model, args.server_arg)
+    try:
+        server.wait_ready()
+        warm_up(server, "free", tokenizer, args, WARM_UP_SEED)
+        probes = server_compile_times(server, tokenizer, args)
+        warm_up(server, "constrained", tokenizer, args, WARM_UP_SEED + 1)
+        return probes, run_arms(server, prompts, args)
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    model = resolve_model(args.model, args.shape)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    load_start = os.getloadavg()[0]
+    probes, rounds = serve(model, tokenizer, args)
+    local = in_process_compile_times(model, args.compile_probes)
+    arms = summarize_arms(rounds)
+    result = {
+        "setup": {"model": model, "model_params_m": model_params_m(model), "shape": args.shape,
+                  "tidal_args": args.server_arg, "concurrency": args.concurrency,
+                  "num_requests": args.num_requests, "rounds": args.rounds,
+                  "input_len": args.input_len, "max_tokens": args.max_tokens,
+                  "compile_probes": args.compile_probes, "schema": MID_SCHEMA,
+                  "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+                  "argv": sys.argv[1:] if argv is None else argv},
+        "arms": arms,
+        "ratios": ratios(arms["free"]["median_round"]["classes"]["all"],
+                         arms["constrained"]["median_round"]["classes"]["all"]),
+        "compile": compile_summary(probes, local) | {"server_probes": probes,
+                                                     "in_process": local},
+    }
+    path = write_result("structured" + (f"-{args.name}" if args.name else ""), result)
+    stored = json.loads(path.read_text())
+    md = path.with_suffix(".md")
+    md.write_text(markdown(stored) + "\n")
+    print(markdown(stored))
+    print(f"wrote {path} and {md}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
