@@ -95,20 +95,12 @@ def run_xgrammar(tokenizer, vocab: int, batch: int, steps: int) -> dict:
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     batcher = xgr.BatchGrammarMatcher(max_threads=2)
     bitmask = xgr.allocate_token_bitmask(batch, vocab)
-    fill, rejected = [], 0
-    seqs = sequences(tokenizer, batch)
-    for step in range(min(steps, *map(len, seqs))):  # every row still inside its JSON
-        ms, _ = timed(lambda: batcher.batch_fill_next_token_bitmask(matchers, bitmask))
-        fill.append(ms)
-        for m, seq in zip(matchers, seqs):
-            if step < len(seq):
-                rejected += not m.accept_token(seq[step])
+    fill, rejected = walk(sequences(tokenizer, batch), steps,
+                          lambda: batcher.batch_fill_next_token_bitmask(matchers, bitmask),
+                          lambda row, token: matchers[row].accept_token(token))
     logits = torch.randn(batch, vocab)
-    apply_ms = float(np.median([timed(lambda: xgr.apply_token_bitmask_inplace(logits, bitmask))[0]
-                                for _ in range(50)]))
-    return dict(tokenizer_prep_ms=prep_ms, compile_cold_ms=cold_ms, compile_cached_ms=cached_ms,
-                fill_ms_p50=float(np.median(fill)), fill_ms_p90=float(np.percentile(fill, 90)),
-                apply_ms=apply_ms, rejected_tokens=rejected)
+    return summary(prep_ms, cold_ms, cached_ms, fill, rejected,
+                   lambda: xgr.apply_token_bitmask_inplace(logits, bitmask))
 
 
 def run_llguidance(tokenizer, vocab: int, batch: int, steps: int) -> dict:
@@ -123,18 +115,30 @@ def run_llguidance(tokenizer, vocab: int, batch: int, steps: int) -> dict:
     matchers = [first] + [llguidance.LLMatcher(lltok, grammar) for _ in range(batch - 1)]
     executor = llguidance.LLExecutor(num_threads=2)
     bitmask = llt.allocate_token_bitmask(batch, vocab)
-    fill, rejected = [], 0
-    seqs = sequences(tokenizer, batch)
     pairs = [(m, i) for i, m in enumerate(matchers)]
-    for step in range(min(steps, *map(len, seqs))):  # every row still inside its JSON
-        ms, _ = timed(lambda: llt.fill_next_token_bitmask_par(executor, pairs, bitmask))
-        fill.append(ms)
-        for m, seq in zip(matchers, seqs):
-            if step < len(seq):
-                rejected += not m.consume_token(seq[step])
+    fill, rejected = walk(sequences(tokenizer, batch), steps,
+                          lambda: llt.fill_next_token_bitmask_par(executor, pairs, bitmask),
+                          lambda row, token: matchers[row].consume_token(token))
     logits = torch.randn(batch, vocab)
-    apply_ms = float(np.median([timed(lambda: llt.apply_token_bitmask_inplace(logits, bitmask))[0]
-                                for _ in range(50)]))
+    return summary(prep_ms, cold_ms, cached_ms, fill, rejected,
+                   lambda: llt.apply_token_bitmask_inplace(logits, bitmask))
+
+
+def walk(seqs: list[list[int]], steps: int, fill: Callable[[], object],
+         accept: Callable[[int, int], bool]) -> tuple[list[float], int]:
+    """Each step's bitmask fill time while every row advances through its own valid JSON,
+    and how many of the tokens the matchers rejected (none, if the backend is right)."""
+    times, rejected = [], 0
+    for step in range(min(steps, *map(len, seqs))):  # every row still inside its JSON
+        times.append(timed(fill)[0])
+        for row, seq in enumerate(seqs):
+            rejected += not accept(row, seq[step])
+    return times, rejected
+
+
+def summary(prep_ms: float, cold_ms: float, cached_ms: float, fill: list[float],
+            rejected: int, apply: Callable[[], object]) -> dict:
+    apply_ms = float(np.median([timed(apply)[0] for _ in range(50)]))
     return dict(tokenizer_prep_ms=prep_ms, compile_cold_ms=cold_ms, compile_cached_ms=cached_ms,
                 fill_ms_p50=float(np.median(fill)), fill_ms_p90=float(np.percentile(fill, 90)),
                 apply_ms=apply_ms, rejected_tokens=rejected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,23 @@ def _fake_forward(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random
             ids.append(req_id)
             tokens.append(rng.randrange(vocab))
     return ModelRunnerOutput(ids, tokens)
+
+
+def run_workload(scheduler: Scheduler, pending: list[Request], rng: random.Random,
+                 abort_rate: float, forward: Callable[[SchedulerOutput], ModelRunnerOutput],
+                 max_steps: int = 4000) -> None:
+    """Add ``pending`` a few at a time, abort some running requests at random, and step
+    ``forward`` until every request is done."""
+    for _ in range(max_steps):
+        if pending and rng.random() < 0.5:
+            scheduler.add_request(pending.pop(0))
+        if scheduler.running and rng.random() < abort_rate:
+            scheduler.finish_requests([rng.choice(scheduler.running).request_id],
+                                      RequestStatus.FINISHED_ABORTED)
+        scheduler.update_from_output(forward(scheduler.schedule()))
+        if not pending and not scheduler.has_unfinished_requests():
+            return
+    raise AssertionError("the workload did not finish")
 
 
 workload = st.fixed_dictionaries({
@@ -55,21 +73,14 @@ def test_random_workload_finishes_everything_and_leaks_no_block(w):
         params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5,
                                 stop_token_ids=[7] if rng.random() < 0.3 else [])
         requests.append(Request(str(i), prompt, params, eos_token_id=3))
-    pending = list(requests)
-    for _ in range(2000):
-        if pending and rng.random() < 0.5:
-            scheduler.add_request(pending.pop(0))
-        if scheduler.running and rng.random() < w["abort_rate"]:
-            scheduler.finish_requests([rng.choice(scheduler.running).request_id],
-                                      RequestStatus.FINISHED_ABORTED)
-        out = scheduler.schedule()
+    def forward(out: SchedulerOutput) -> ModelRunnerOutput:
         assert out.total_num_scheduled_tokens <= w["budget"]
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
         assert len(scheduler.running) <= w["max_num_seqs"]
-        scheduler.update_from_output(_fake_forward(scheduler, out, rng, 50))
-        if not pending and not scheduler.has_unfinished_requests():
-            break
-    assert not pending and not scheduler.has_unfinished_requests()
+        return _fake_forward(scheduler, out, rng, 50)
+
+    run_workload(scheduler, list(requests), rng, w["abort_rate"], forward)
+    assert not scheduler.has_unfinished_requests()
     assert all(r.is_finished for r in requests)
     for r in requests:
         if r.status == RequestStatus.FINISHED_LENGTH_CAPPED:

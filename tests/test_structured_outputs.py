@@ -3,6 +3,7 @@ beside constrained ones keep their tokens, and preemption and aborts leave no ma
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -19,12 +20,12 @@ from core.llm import LLM
 from core.request import Request, RequestStatus
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler, SchedulerConfig
-from core.scheduler_output import ModelRunnerOutput
+from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.structured_output import StructuredOutputsParams
 from core.structured_output.compiler import JSON_CHAR, GrammarError, bounded_strings
 from core.structured_output.manager import StructuredOutputManager
 from gpu.random_model import build_model_dir, build_tokenizer
-from tests.test_scheduler import workload
+from tests.test_scheduler import run_workload, workload
 
 NUM_SAMPLES = 50
 # nested objects, arrays, enums and required fields; every string and array bounded, so a
@@ -212,12 +213,17 @@ def _allowed_token(manager: StructuredOutputManager, req_id: str, rng: random.Ra
     return int(rng.choice(np.flatnonzero(bits)))
 
 
+@functools.cache
+def _shared_manager() -> StructuredOutputManager:
+    return StructuredOutputManager(TOKENIZER, 512, [TOKENIZER.eos_token_id])
+
+
 @settings(max_examples=25, deadline=None)
 @given(workload)
 def test_random_constrained_workload_leaks_no_matcher_or_block(w):
     rng = random.Random(w["seed"])
     kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"])
-    manager = StructuredOutputManager(TOKENIZER, 512, [TOKENIZER.eos_token_id])
+    manager = _shared_manager()  # every example ends with no matcher held
     config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64,
                              attention_cost_context=w["attention_cost_context"])
     scheduler = Scheduler(config, kv, manager)
@@ -229,14 +235,9 @@ def test_random_constrained_workload_leaks_no_matcher_or_block(w):
                                 structured_outputs=spec if constrained else None)
         prompt = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
         requests.append(Request(str(i), prompt, params, eos_token_id=TOKENIZER.eos_token_id))
-    pending = list(requests)
-    for _ in range(4000):
-        if pending and rng.random() < 0.5:
-            scheduler.add_request(pending.pop(0))
-        if scheduler.running and rng.random() < w["abort_rate"]:
-            scheduler.finish_requests([rng.choice(scheduler.running).request_id],
-                                      RequestStatus.FINISHED_ABORTED)
-        out = scheduler.schedule()
+    def forward(out: SchedulerOutput) -> ModelRunnerOutput:
+        if out.is_empty:  # as the engine does: wait for a grammar rather than spin
+            manager.wait_for_compiles(1.0)
         ids, tokens = [], []
         for req_id in out.num_scheduled_tokens:
             request = scheduler.requests[req_id]
@@ -244,9 +245,9 @@ def test_random_constrained_workload_leaks_no_matcher_or_block(w):
                 ids.append(req_id)
                 tokens.append(_allowed_token(manager, req_id, rng)
                               if req_id in out.structured_req_ids else rng.randrange(512))
-        scheduler.update_from_output(ModelRunnerOutput(ids, tokens))
-        if not pending and not scheduler.has_unfinished_requests():
-            break
+        return ModelRunnerOutput(ids, tokens)
+
+    run_workload(scheduler, list(requests), rng, w["abort_rate"], forward)
     assert all(r.is_finished for r in requests)
     assert manager.num_live == 0
     assert kv.pool.num_free_blocks == kv.num_blocks

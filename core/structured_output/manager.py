@@ -73,9 +73,7 @@ class StructuredOutputManager:
 
     def remove(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
-        future = self._pending.pop(req_id, None)
-        if future is not None:
-            future.cancel()  # only drops it if not started; the cache keeps a started one
+        self._pending.pop(req_id, None)  # the compile goes on: the cache shares it
 
     def bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
         """The bitmask rows of the constrained requests among ``req_ids`` (those about to
