@@ -16,8 +16,7 @@ streamed per second, TTFT and ITL; both arms count output tokens alike, from the
 stream ends with. Every constrained reply is parsed and validated with ``jsonschema``: one
 cut by ``--max-tokens`` is counted apart from one that finished and still does not validate
 (the latter would be a server bug). Each arm's median round by output tok/s is reported, with
-every round's figure and the ratios constrained / free (the targets: at least 0.9x the
-throughput, at most 1.2x the TTFT p50).
+every round's figure and the ratios constrained / free, checked against ``TARGETS``.
 
 Grammar compile times, before the rounds, one request at a time (``max_tokens`` 1): TTFT of a
 free request, of the first constrained request (xgrammar's import and the vocabulary's
@@ -34,57 +33,32 @@ Writes ``bench/results/structured[-NAME].json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import jsonschema
-import orjson
-
 from app.cli import run_event_loop
-from bench.common import host_line, write_result
+from bench.common import write_result
 from bench.load_generator import (
-    STREAM_ERRORS,
-    RequestResult,
     Workload,
-    client_session,
     request_body,
-    scrape,
     summarize,
 )
 from bench.model_shapes import ALL_SHAPES
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
-from bench.server_metrics import server_side
-from bench.serving_comparison import median_round, model_params_m, resolve_model
+from bench.serving_comparison import model_params_m, resolve_model
+from bench.structured_report import ARMS, compile_summary, markdown, ratios, summarize_arms
+from bench.structured_stream import Reply, send_all, validity
 from bench.structured_workload import MID_SCHEMA
 
-ARMS = ("free", "constrained")
-TARGETS = {"output tok/s": (">=", 0.9), "TTFT p50 ms": ("<=", 1.2)}
-# (label, path into a load-generator summary)
-METRICS = (("output tok/s", ("output_token_throughput_per_s",)),
-           ("TTFT p50 ms", ("ttft", "median_ms")), ("TTFT p99 ms", ("ttft", "p99_ms")),
-           ("ITL p50 ms", ("itl", "median_ms")))
 PROBE_SEED, WARM_UP_SEED = 50_000, 70_000
 
 
-@dataclass
-class Reply(RequestResult):
-    """A stream's timings as the load generator takes them, with its text and finish."""
-
-    text: str = ""
-    finish_reason: str | None = None
-
-
-# -- what is sent ---------------------------------------------------------------------------
 def schema_variant(i: int) -> dict:
     """``MID_SCHEMA`` with its ``name`` property renamed ``name_<i>``: a grammar of the same
     size that no cache holds yet."""
@@ -106,109 +80,30 @@ def bodies(arm: str, model: str, prompts: list[str], max_tokens: int) -> list[di
 
 
 # -- streaming ------------------------------------------------------------------------------
-def _take_event(reply: Reply, event: dict[str, Any], now: float, last: float | None,
-                start: float) -> float | None:
-    """Fold one SSE event into ``reply``; the time of the last chunk with text."""
-    if event.get("usage"):
-        reply.output_tokens = event["usage"].get("completion_tokens", 0)
-        reply.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-    for choice in event.get("choices") or []:
-        reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
-        if not choice.get("text"):
-            continue
-        reply.text += choice["text"]
-        if last is None:
-            reply.ttft = now - start
-        else:
-            reply.itl.append(now - last)
-        last = now
-    return last
-
-
-async def stream_one(client: aiohttp.ClientSession, body: dict[str, Any]) -> Reply:
-    """One streamed completion, timed as ``load_generator.one_request`` times it (TTFT at the
-    first chunk with text, output tokens from the usage), its text and finish reason kept."""
-    reply, start, last, done = Reply(ok=False), time.perf_counter(), None, False
+def host_cpu_s() -> float | None:
+    """CPU seconds the whole host has spent busy since boot (Linux), else None."""
     try:
-        async with client.post("/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                reply.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return reply
-            async for raw in resp.content:
-                if not raw.startswith(b"data: "):
-                    continue
-                data = raw[6:].rstrip(b"\r\n")
-                if data == b"[DONE]":
-                    done = True
-                    break
-                event = orjson.loads(data)
-                if "error" in event:
-                    reply.error = str(event["error"])
-                    return reply
-                last = _take_event(reply, event, time.perf_counter(), last, start)
-        reply.ok = done and last is not None
-        reply.error = "" if reply.ok else "the stream ended without [DONE] or any text"
-    except STREAM_ERRORS as exc:
-        reply.error = repr(exc)
-    reply.e2e = time.perf_counter() - start
-    return reply
+        fields = [int(x) for x in Path("/proc/stat").read_text().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-async def send_all(url: str, payloads: list[dict[str, Any]], concurrency: int
-                   ) -> tuple[list[Reply], float, dict | None]:
-    """Every body at ``concurrency`` in flight: the replies, the seconds it took and the
-    server's side of it from ``/metrics``."""
-    async with client_session(url, concurrency + 4) as client:
-        limit = asyncio.Semaphore(concurrency)
-
-        async def limited(body: dict[str, Any]) -> Reply:
-            async with limit:
-                return await stream_one(client, body)
-
-        before = await scrape(client)
-        start = time.perf_counter()
-        replies = await asyncio.gather(*(limited(b) for b in payloads))
-        duration = time.perf_counter() - start
-        after = await scrape(client)
-    side = server_side(before, after, duration) if before and after else None
-    return list(replies), duration, side
-
-
-# -- checking the constrained replies -------------------------------------------------------
-def verdict(reply: Reply, schema: dict) -> str:
-    """``valid``, ``cut`` (ended by max_tokens before the JSON closed), ``invalid`` (finished
-    otherwise and does not parse or validate) or ``failed`` (the request itself failed)."""
-    if not reply.ok:
-        return "failed"
-    try:
-        jsonschema.validate(json.loads(reply.text), schema)
-        return "valid"
-    except (ValueError, jsonschema.ValidationError):
-        return "cut" if reply.finish_reason == "length" else "invalid"
-
-
-def validity(replies: list[Reply], schema: dict) -> dict[str, Any]:
-    counts = {"valid": 0, "cut": 0, "invalid": 0, "failed": 0}
-    examples = []
-    for reply in replies:
-        v = verdict(reply, schema)
-        counts[v] += 1
-        if v == "invalid" and len(examples) < 3:
-            examples.append({"finish_reason": reply.finish_reason, "text": reply.text[:300]})
-    return counts | {"invalid_examples": examples}
-
-
-# -- the runs -------------------------------------------------------------------------------
 def run_round(server: LaunchedServer, arm: str, prompts: list[str], args: argparse.Namespace
               ) -> dict[str, Any]:
     payloads = bodies(arm, server.model, prompts, args.max_tokens)
+    host, client = host_cpu_s(), time.process_time()
     replies, duration, side = run_event_loop(send_all(server.url, payloads, args.concurrency))
     work = Workload(args.input_len, args.max_tokens, len(prompts), args.concurrency)
     report: dict[str, Any] = {"classes": {"all": summarize(replies, duration, work)},
                               "finish_reasons": _finish_reasons(replies),
-                              "load_average_after": round(os.getloadavg()[0], 2)}
+                              "load_average_after": round(os.getloadavg()[0], 2),
+                              "client_cpu_s": time.process_time() - client}
     if side:
         report["server"] = side
+    if host is not None and side:  # what neither the server nor this client used
+        report["other_cpu_s"] = (host_cpu_s() - host - side["process_cpu_s"]
+                                 - report["client_cpu_s"])
     if arm == "constrained":
         report["validity"] = validity(replies, MID_SCHEMA)
     return report
@@ -238,9 +133,11 @@ def _progress(arm: str, r: int, report: dict[str, Any], seconds: float) -> None:
     ttft = (rep.get("ttft") or {}).get("median_ms") or 0
     checked = report.get("validity")
     valid = "" if checked is None else f", {checked['valid']} valid"
+    other = report.get("other_cpu_s")
+    others = "" if other is None else f", other processes {other:.0f} CPU s"
     print(f"[{arm}] round {r + 1} ({seconds:.0f} s): "
           f"{rep['output_token_throughput_per_s']:.1f} tok/s, TTFT p50 {ttft:.0f} ms, "
-          f"{rep['failed']} failed{valid}", flush=True)
+          f"{rep['failed']} failed{valid}{others}", flush=True)
 
 
 def warm_up(server: LaunchedServer, arm: str, tokenizer: Any, args: argparse.Namespace,
@@ -315,143 +212,6 @@ def in_process_compile_times(model: str, probes: int) -> dict[str, Any]:
 
 
 # -- the report -----------------------------------------------------------------------------
-def metric(report: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
-    value: Any = report
-    for key in path:
-        if not isinstance(value, dict) or value.get(key) is None:
-            return None
-        value = value[key]
-    return float(value)
-
-
-def ratios(free: dict[str, Any], constrained: dict[str, Any]) -> dict[str, float | None]:
-    """constrained / free for every metric of ``METRICS``."""
-    out: dict[str, float | None] = {}
-    for label, path in METRICS:
-        a, b = metric(constrained, path), metric(free, path)
-        out[label] = a / b if a is not None and b else None
-    return out
-
-
-def totals(rounds: list[dict[str, Any]]) -> dict[str, int]:
-    """The constrained arm's reply verdicts over every round."""
-    out: dict[str, int] = {}
-    for r in rounds:
-        for key, value in r.get("validity", {}).items():
-            if isinstance(value, int):
-                out[key] = out.get(key, 0) + value
-    return out
-
-
-def summarize_arms(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    arms = {}
-    for arm, reps in rounds.items():
-        arms[arm] = {"median_round": median_round(reps), "rounds": reps}
-        if arm == "constrained":
-            arms[arm]["validity"] = totals(reps)
-    return arms
-
-
-def compile_summary(server: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
-    med = statistics.median
-    free = med(server["free_ttft_ms"])
-    return {"server_free_ttft_ms": free, "server_first_ttft_ms": server["first_ttft_ms"],
-            "server_cold_ttft_ms": med(server["cold_ttft_ms"]),
-            "server_cached_ttft_ms": med(server["cached_ttft_ms"]),
-            "server_first_compile_ms": server["first_ttft_ms"] - free,
-            "server_cold_compile_ms": med(server["cold_ttft_ms"]) - free,
-            "server_cached_compile_ms": med(server["cached_ttft_ms"]) - free,
-            "in_process_first_ms": local["first_ms"],
-            "in_process_cold_ms": med(local["cold_ms"]),
-            "in_process_cached_ms": med(local["cached_ms"])}
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def arm_table(result: dict[str, Any]) -> str:
-    head = ["arm", *(label for label, _ in METRICS), "mean out tokens", "invalid replies"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, data in result["arms"].items():
-        rep = data["median_round"]["classes"]["all"]
-        cells = [_fmt(metric(rep, path)) for _, path in METRICS]
-        mean_out = _fmt(metric(rep, ("output_tokens_per_request", "mean")))
-        lines.append("| " + " | ".join([arm, *cells, mean_out, _invalid_cell(data)]) + " |")
-    return "\n".join(lines)
-
-
-def _invalid_cell(arm: dict[str, Any]) -> str:
-    counts = arm.get("validity")
-    if counts is None:
-        return "-"
-    checked = sum(counts.values())
-    bad = checked - counts.get("valid", 0)
-    return (f"{bad} of {checked} ({counts.get('cut', 0)} cut by max_tokens, "
-            f"{counts.get('invalid', 0)} finished invalid, {counts.get('failed', 0)} failed)")
-
-
-def ratio_lines(result: dict[str, Any]) -> list[str]:
-    lines = []
-    for label, value in result["ratios"].items():
-        line = f"- {label}: {_fmt(value, 2)}x"
-        if label in TARGETS and value is not None:
-            op, bound = TARGETS[label]
-            met = value >= bound if op == ">=" else value <= bound
-            line += f" (target {op} {bound}x: {'met' if met else 'missed'})"
-        lines.append(line)
-    return lines
-
-
-def rounds_table(result: dict[str, Any]) -> str:
-    """Every round's output tok/s in each arm, and constrained / free round by round."""
-    per_arm = {arm: [r["classes"]["all"]["output_token_throughput_per_s"] for r in d["rounds"]]
-               for arm, d in result["arms"].items()}
-    lines = ["| round | " + " | ".join(f"{a} tok/s" for a in per_arm) + " | ratio |",
-             "|---|" + "---|" * (len(per_arm) + 1)]
-    for r, (free, held) in enumerate(zip(per_arm["free"], per_arm["constrained"])):
-        ratio = held / free if free else None
-        lines.append(f"| {r + 1} | {_fmt(free)} | {_fmt(held)} | {_fmt(ratio, 2)}x |")
-    return "\n".join(lines)
-
-
-def compile_table(c: dict[str, Any], probes: int) -> str:
-    return "\n".join([
-        "| measured | free | first constrained | new schema (cold) | same schema (cached) |",
-        "|---|---|---|---|---|",
-        f"| server TTFT ms, max_tokens 1 (median of {probes}) | "
-        f"{_fmt(c['server_free_ttft_ms'])} | {_fmt(c['server_first_ttft_ms'])} | "
-        f"{_fmt(c['server_cold_ttft_ms'])} | {_fmt(c['server_cached_ttft_ms'])} |",
-        "| server: TTFT minus free TTFT (the compile) ms | - | "
-        f"{_fmt(c['server_first_compile_ms'])} | {_fmt(c['server_cold_compile_ms'])} | "
-        f"{_fmt(c['server_cached_compile_ms'])} |",
-        "| in process: `GrammarCompiler.submit(...).result()` ms | - | "
-        f"{_fmt(c['in_process_first_ms'])} | {_fmt(c['in_process_cold_ms'])} | "
-        f"{_fmt(c['in_process_cached_ms'], 3)} |"])
-
-
-def markdown(result: dict[str, Any]) -> str:
-    s = result["setup"]
-    parts = [
-        f"# Structured outputs: constrained against free ({result.get('date', '')})", "",
-        f"- host: {host_line(result.get('machine', {}))}",
-        f"- model: `{s['model']}` ({s['model_params_m']}M parameters"
-        f"{', shape ' + s['shape'] if s['shape'] else ''}); tidal args: "
-        f"`{' '.join(s['tidal_args']) or '(defaults)'}`",
-        f"- workload: streamed `/v1/completions`, concurrency {s['concurrency']}, "
-        f"{s['num_requests']} requests per round, {s['input_len']}-token text prompts, "
-        f"max_tokens {s['max_tokens']}, greedy; free: `ignore_eos`; constrained: "
-        "`response_format` json_schema `MID_SCHEMA`",
-        f"- rounds: {s['rounds']} per arm, the arms taking turns; each arm's median round by "
-        f"output tok/s below; load average at start/end: {s['load_average']}", "",
-        arm_table(result), "", "Ratios constrained / free:", "", *ratio_lines(result), "",
-        "## Rounds", "", rounds_table(result), "",
-        "## Grammar compile times", "", compile_table(result["compile"], s["compile_probes"]),
-        ""]
-    return "\n".join(parts)
-
-
-# -- the command line -----------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
