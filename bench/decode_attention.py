@@ -4,6 +4,7 @@ bench model's heads (8 query heads, 4 KV heads of 64) and shuffled paged blocks.
 
     python -m bench.decode_attention                      # bench/results/decode_attention.json
     python -m bench.decode_attention --dtype bfloat16     # ...decode_attention-bfloat16.json
+    TIDAL_CPU_ISA=x86-64-v3 python -m bench.decode_attention  # ...decode_attention-x86-64-v3.json
 
 Each layout is one layer's attention in one step. "In cache" layouts call the kernels on one
 layer's cache over and over, so it stays in the CPU's caches (a server's batch of short
@@ -22,7 +23,7 @@ from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
 
 BLOCK_SIZE = 16
 # name -> (rows, positions each row attends over, layers' caches gone round)
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_head_args(ap, repeats=40)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    ap.add_argument("--name", help="results file name (default: decode_attention[-dtype])")
+    ap.add_argument("--name", help="results file name (default: decode_attention[-isa][-dtype], "
+                    "the ISA where the kernels are not built for this CPU)")
     args = ap.parse_args(argv)
     if load_cpu_kernels() is None:
         raise SystemExit("the C++ CPU kernels are not available here")
@@ -73,10 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['layout']:30s} kernel {r['kernel_ms']:6.3f} ms "
               f"({r['kernel_gb_per_s']:4.1f} GB/s)  torch {r['torch_ms']:6.3f} ms  "
               f"{r['speedup']:.2f}x")
+    isa = target_isa()
     name = args.name or "-".join(filter(None, ["decode_attention",
+                                               None if isa == "native" else isa,
                                                None if args.dtype == "float32" else args.dtype]))
     result = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-              "dtype": args.dtype, "runs": runs}
+              "dtype": args.dtype, "isa": isa, "runs": runs}
     print(f"wrote {write_result(name, result)}")
     return result
 

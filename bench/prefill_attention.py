@@ -3,6 +3,7 @@ torch's fused attention on each request's gathered context (the torch backend's 
 same paged layouts and the bench model's heads (8 query heads, 4 KV heads of 64).
 
     python -m bench.prefill_attention       # writes bench/results/prefill_attention.json
+    TIDAL_CPU_ISA=x86-64-v3 python -m bench.prefill_attention  # ...prefill_attention-x86-64-v3.json
 
 Each layout is one layer's attention in one step: a 2,048-token step of fresh 64-256-token
 prompts (the offline workload's prefills), single chunks, and chunks on top of cached context
@@ -20,7 +21,7 @@ from bench.common import add_head_args, time_ms, write_result
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.paged_layout import paged_layout, random_caches
 from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
 
 
 def layouts(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
@@ -63,7 +64,8 @@ def measure(name: str, context: list[int], rows: list[int], heads: int, kv_heads
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_head_args(ap, repeats=15)
-    ap.add_argument("--name", default="prefill_attention", help="results file name")
+    ap.add_argument("--name", help="results file name (default: prefill_attention[-isa], the "
+                    "ISA where the kernels are not built for this CPU)")
     args = ap.parse_args(argv)
     if load_cpu_kernels() is None:
         raise SystemExit("the C++ CPU kernels are not available here")
@@ -73,9 +75,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['layout']:30s} kernel {r['kernel_ms']:6.2f} ms ({r['kernel_gflops']:4.0f} "
               f"GFLOP/s)  torch {r['torch_ms']:6.2f} ms ({r['torch_gflops']:4.0f})  "
               f"{r['speedup']:.2f}x")
+    isa = target_isa()
+    name = args.name or ("prefill_attention" if isa == "native" else f"prefill_attention-{isa}")
     result = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-              "runs": runs}
-    print(f"wrote {write_result(args.name, result)}")
+              "isa": isa, "runs": runs}
+    print(f"wrote {write_result(name, result)}")
     return result
 
 

@@ -49,9 +49,12 @@ def _run(backend: AttentionBackend, context: list[int], query_lens: list[int],
     return got, ref
 
 
-# head_dim 40 has no compiled kernel: the cpu backend hands those rows to the torch path.
+# head_dim 40 has no compiled kernel: the cpu backend hands those rows to the torch path. The
+# kernel's block is one vector of positions (16 with AVX-512, 8 with AVX2), and a head too wide
+# for the registers is taken in slices (256 with AVX-512; every size above 32 with AVX2).
 @pytest.mark.parametrize("block_size,head_dim,group",
-                         [(16, 64, 2), (16, 32, 1), (32, 80, 4), (8, 128, 8), (16, 40, 2)])
+                         [(16, 64, 2), (16, 32, 1), (32, 80, 4), (8, 128, 8), (16, 40, 2),
+                          (16, 96, 3), (16, 256, 2)])
 def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, group):
     context = _contexts(block_size, seed=block_size + head_dim)
     got, ref = _run(backend, context, [1] * len(context), block_size, head_dim, group,
@@ -62,9 +65,10 @@ def test_decode_rows_of_ragged_lengths_match(backend, block_size, head_dim, grou
 @pytest.mark.parametrize("head_dim,group", [(32, 1), (64, 2), (80, 4), (96, 2), (128, 8),
                                             (256, 1)])
 def test_bfloat16_decode_rows_match(backend, head_dim, group):
-    """bfloat16 caches: the kernel reads head sizes divisible by 32 as even/odd pairs (80 is
-    not), so every element must come back to its place; it computes in float32, so its only
-    error is the output's rounding. The torch path's attention runs in bfloat16 itself."""
+    """bfloat16 caches: the kernel reads head sizes divisible by two vectors as even/odd pairs
+    (32 floats with AVX-512, where 80 is not; 16 with AVX2), so every element must come back to
+    its place; it computes in float32, so its only error is the output's rounding. The torch
+    path's attention runs in bfloat16 itself."""
     torch.manual_seed(head_dim)
     context = _contexts(16, seed=head_dim)
     got, ref = _run(backend, context, [1] * len(context), 16, head_dim, group, torch.bfloat16)

@@ -12,6 +12,7 @@ import torch
 import bench.common
 from bench import decode_attention, decode_roofline, overlap, prefill_attention
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
+from gpu.cpu.kernels import target_isa
 from gpu.model_config import ModelConfig
 
 
@@ -65,11 +66,14 @@ def test_prefill_attention_benchmark_smoke(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_decode_attention_benchmark_smoke(tmp_path, monkeypatch, dtype, tolerance):
-    """The in-cache layouts timed on both paths, which agree; the result named for the dtype."""
+    """The in-cache layouts timed on both paths, which agree; the result named for the ISA the
+    kernels are built for (where not this CPU's) and the dtype."""
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
     layouts = [name for name in decode_attention.LAYOUTS if name.endswith("in cache")]
     result = decode_attention.main(["--repeats", "1", "--dtype", dtype, "--layouts", *layouts])
-    name = "decode_attention" if dtype == "float32" else f"decode_attention-{dtype}"
+    isa = target_isa()
+    name = "-".join(["decode_attention"] + ([] if isa == "native" else [isa])
+                    + ([] if dtype == "float32" else [dtype]))
     assert json.loads((tmp_path / "results" / f"{name}.json").read_text())["dtype"] == dtype
     assert [r["layout"] for r in result["runs"]] == layouts
     for run in result["runs"]:

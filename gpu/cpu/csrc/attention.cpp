@@ -1,22 +1,29 @@
 // Decode attention on the CPU, reading the paged KV cache in place, in one pass.
 //
 // Each decode row attends over its whole context: out = softmax(scale * q.K) V. Its keys and
-// values are read once, straight from their blocks, 16 positions at a time, with the softmax
-// kept online (a running maximum and sum per head, the partial output rescaled when the maximum
-// grows), so there is no scores buffer and no separate softmax. Sixteen dot products at a time
+// values are read once, straight from their blocks, a block of positions at a time, with the
+// softmax kept online (a running maximum and sum per head, the partial output rescaled when the
+// maximum grows), so there is no scores buffer and no separate softmax. A block's dot products
 // are summed across their lanes together (tidal::sum_each) into one vector of scores. Rows are
 // split over torch's threads with tidal::parallel_items.
 //
-// While a row works on 16 positions, the cache lines of its next 16 are prefetched a few at a
-// time, spread over the block kernel's loop: asked for all at once, they filled the core's
-// miss buffers and stalled it until they arrived, so fetching and arithmetic took turns. The
+// The kernel works in the target's own vectors (vec.h's vnative), a block being one vector's
+// lanes of positions: 16 with AVX-512, 8 with AVX2. A block's partial dot products, the slice
+// of the query they multiply, and the output's accumulators must fit the target's register file
+// (32 registers with AVX-512, 16 with AVX2); where a head is too wide for that, the block works
+// through it in slices of chunks. Written in 16-float vectors, which are two registers each with
+// AVX2, the same kernel spilled its tile to the stack there and ran several times slower.
+//
+// While a row works on one block, the cache lines of its next are prefetched a few at a time,
+// spread over the block kernel's loop: asked for all at once, they filled the core's miss
+// buffers and stalled it until they arrived, so fetching and arithmetic took turns. The
 // addresses are kept four lines to an entry: with one entry per line, building and reading the
 // list took more instructions than the arithmetic, which showed where the cache sat in L2 or L3.
 //
-// bfloat16 caches of a head_dim divisible by 32 (all supported sizes but 80) are read 32
-// elements at a time as 16 32-bit words, whose low and high halves are the even and odd
-// elements (PairedBf16Rows): one load and one shift or mask per 16 floats, where widening 16
-// halves takes four instructions.
+// bfloat16 caches of a head_dim divisible by two vectors' lanes (with AVX-512, all supported
+// sizes but 80) are read two vectors of elements at a time as one vector of 32-bit words, whose
+// low and high halves are the even and odd elements (PairedBf16Rows): one load and one shift or
+// mask per vector of floats, where widening the halves takes four instructions.
 //
 // bench/decode_attention.py times the kernel against the torch backend; docs/cpu-backend.md
 // keeps what was measured.
@@ -39,12 +46,13 @@
 #include <limits>
 #include <vector>
 
-using tidal::kLanes;
-using tidal::vec16;
-
 namespace {
 
+using V = tidal::vnative;
+constexpr int64_t kLanes = tidal::kNativeLanes;  // positions in a block; floats in a chunk
 constexpr int64_t kPrefetchAhead = kLanes;  // positions between a prefetch and its use
+// Registers a block kernel's pass may fill with its tile, leaving two for loads and broadcasts.
+constexpr int kTileRegisters = tidal::kNativeRegisters - 2;
 // Cache lines prefetched per address kept: one address per line cost more instructions than
 // the arithmetic it fed where the cache was in L2 or L3.
 constexpr int kLinesPerGroup = 4;
@@ -76,7 +84,7 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
   }
 }
 
-// The cache lines of positions [from, from + 16) (those before len), kLinesPerGroup at a time:
+// The cache lines of positions [from, from + kLanes) (those before len), kLinesPerGroup at a time:
 // where each group of every KV head's key and value rows starts, in `groups`; returns how many.
 // A row whose size is not a whole number of groups has its last group run on into the next
 // position's row (a prefetch past the end of a row never faults).
@@ -97,7 +105,9 @@ int64_t future_groups(const scalar_t* keys, const scalar_t* values, const int64_
   return count;
 }
 
-void prefetch_group(const char* at) {
+// Always inlined: GCC takes a function that only prefetches for one without side effects, and
+// where a caller kept it out of line, deleted the calls.
+TIDAL_INLINE void prefetch_group(const char* at) {
   for (int l = 0; l < kLinesPerGroup; ++l) __builtin_prefetch(at + 64 * l, 0, 3);
 }
 
@@ -106,95 +116,136 @@ void prefetch_group(const char* at) {
 // maximum), reduced at the end.
 struct HeadState {
   float max;
-  float* acc;  // (2 x head_dim + 16) floats
+  float* acc;  // (2 x head_dim + kLanes) floats
 };
 
-// How a cache row (or a query) is read as 16-float chunks. Plain: chunk c holds elements
-// [16c, 16c + 16).
+// How a cache row (or a query) is read as chunks of one vector each. Plain: chunk c holds
+// elements [c kLanes, (c + 1) kLanes).
 template <typename scalar_t>
 struct PlainRows {
   using type = scalar_t;
-  static vec16 chunk(const scalar_t* row, int c) { return tidal::load(row + c * kLanes); }
+  static V chunk(const scalar_t* row, int c) { return tidal::load<V>(row + c * kLanes); }
   static int64_t element(int c, int lane) { return c * kLanes + lane; }
 };
 
-// bfloat16 rows of a head_dim divisible by 32, read in pairs of chunks (tidal::load_pairs):
-// chunks 2m and 2m + 1 hold the even and the odd elements of [32m, 32m + 32). The query is
-// permuted the same way and the output back, so the sums are those of PlainRows, in a
-// different order.
+// bfloat16 rows of a head_dim divisible by 2 kLanes, read in pairs of chunks
+// (tidal::load_pairs): chunks 2m and 2m + 1 hold the even and the odd elements of
+// [2m kLanes, (2m + 2) kLanes). The query is permuted the same way and the output back, so the
+// sums are those of PlainRows, in a different order.
 struct PairedBf16Rows {
   using type = c10::BFloat16;
-  static vec16 chunk(const c10::BFloat16* row, int c) {
-    vec16 even, odd;
+  static V chunk(const c10::BFloat16* row, int c) {
+    V even, odd;
     tidal::load_pairs(row + (c / 2) * 2 * kLanes, even, odd);
     return c % 2 == 0 ? even : odd;
   }
   static int64_t element(int c, int lane) { return (c / 2) * 2 * kLanes + 2 * lane + c % 2; }
 };
 
-// Groups of cache lines for one call of the block kernel to prefetch, spread over its 16
+// Groups of cache lines for one call of the block kernel to prefetch, spread over its
 // positions.
 struct Groups {
   const char* const* at;
   int64_t count;
 };
 
-// One query head over positions [p0, p0 + 16) (or fewer at the end): their scores, then the
-// online-softmax update of the head's state. CHUNKS is head_dim / 16, fixed at compile time so
-// the query, the output and the 16 partial dot products stay in registers; `offsets` always
-// names 16 rows (context_offsets pads them). q and the state are in Rows' chunk order.
+// The largest divisor of `chunks` not above `most`: the chunks of a head one slice of a pass
+// holds in registers.
+constexpr int slice_of(int chunks, int most) {
+  int s = chunks < most ? chunks : most;
+  while (chunks % s != 0) --s;
+  return s;
+}
+
+// The scores of one query head against the kLanes keys at `offsets` (lane j: key j). The
+// partial dot products (one vector per key) stay in registers across the head's slices, each
+// slice's query chunks beside them; with AVX-512 every supported head but 256 is one slice.
+// The block's prefetches are spread over the first slice's keys.
+template <int CHUNKS, typename Rows>
+TIDAL_INLINE V block_scores(const float* q, const typename Rows::type* keys,
+                            const int64_t* offsets, Groups fetch) {
+  constexpr int kSlice = slice_of(CHUNKS, kTileRegisters - kLanes);
+  V partial[kLanes];
+#pragma GCC unroll 16
+  for (int c0 = 0; c0 < CHUNKS; c0 += kSlice) {
+    V qv[kSlice];
+    for (int c = 0; c < kSlice; ++c) qv[c] = tidal::load<V>(q + (c0 + c) * kLanes);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (c0 == 0)
+        for (int64_t f = j; f < fetch.count; f += kLanes) prefetch_group(fetch.at[f]);
+      const auto* k = keys + offsets[j];
+      V sum = c0 == 0 ? qv[0] * Rows::chunk(k, 0) : partial[j] + qv[0] * Rows::chunk(k, c0);
+      for (int c = 1; c < kSlice; ++c) sum += qv[c] * Rows::chunk(k, c0 + c);
+      partial[j] = sum;
+    }
+  }
+  return tidal::sum_each(partial);
+}
+
+// The head's accumulated output (two sums, of alternate positions, for independent FMA chains)
+// scaled by `rescale`, plus the first n values at `offsets` weighted by `weights`, a slice of
+// chunks at a time so that both sums of a slice stay in registers.
+template <int CHUNKS, typename Rows>
+TIDAL_INLINE void add_values(float* out, float rescale, V weights,
+                             const typename Rows::type* values, const int64_t* offsets,
+                             int64_t n) {
+  constexpr int kSlice = slice_of(CHUNKS, kTileRegisters / 2);
+  for (int c0 = 0; c0 < CHUNKS; c0 += kSlice) {
+    V acc[2][kSlice];
+    for (int c = 0; c < kSlice; ++c) {
+      acc[0][c] = tidal::load<V>(out + (c0 + c) * kLanes);
+      acc[1][c] = tidal::load<V>(out + (CHUNKS + c0 + c) * kLanes);
+    }
+    if (rescale != 1.f) {  // the maximum grew: rare once it settles
+      for (int c = 0; c < kSlice; ++c) {
+        acc[0][c] *= rescale;
+        acc[1][c] *= rescale;
+      }
+    }
+    const auto add = [&](int64_t j) {
+      const auto* v = values + offsets[j];
+      const float w = weights[j];
+      for (int c = 0; c < kSlice; ++c) acc[j & 1][c] += w * Rows::chunk(v, c0 + c);
+    };
+    if (n == kLanes) {
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j) add(j);
+    } else {  // a row's last block: its padded lanes are skipped, as 0 * inf would be NaN
+      for (int64_t j = 0; j < n; ++j) add(j);
+    }
+    for (int c = 0; c < kSlice; ++c) {
+      tidal::store(out + (c0 + c) * kLanes, acc[0][c]);
+      tidal::store(out + (CHUNKS + c0 + c) * kLanes, acc[1][c]);
+    }
+  }
+}
+
+// One query head over positions [p0, p0 + kLanes) (or fewer at the end): their scores, then
+// the online-softmax update of the head's state. CHUNKS is head_dim / kLanes, fixed at compile
+// time so the tiles stay in registers; `offsets` always names kLanes rows (context_offsets pads
+// them). q and the state are in Rows' chunk order.
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
                   const typename Rows::type* values, const int64_t* offsets, int64_t n,
                   Groups fetch) {
-  vec16 qv[CHUNKS], acc[2][CHUNKS];  // two sums of values, alternate positions, for ILP
-  for (int c = 0; c < CHUNKS; ++c) qv[c] = tidal::load(q + c * kLanes);
-  vec16 partial[kLanes];
-#pragma GCC unroll 16
-  for (int64_t j = 0; j < kLanes; ++j) {
-    for (int64_t f = j; f < fetch.count; f += kLanes) prefetch_group(fetch.at[f]);
-    const auto* k = keys + offsets[j];
-    partial[j] = qv[0] * Rows::chunk(k, 0);
-    for (int c = 1; c < CHUNKS; ++c) partial[j] += qv[c] * Rows::chunk(k, c);
-  }
-  vec16 scores = tidal::sum_each(partial);
+  V scores = block_scores<CHUNKS, Rows>(q, keys, offsets, fetch);
   for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   float* sums = state.acc + 2 * CHUNKS * kLanes;
-  for (int c = 0; c < CHUNKS; ++c) {
-    acc[0][c] = tidal::load(state.acc + c * kLanes);
-    acc[1][c] = tidal::load(state.acc + (CHUNKS + c) * kLanes);
-  }
-  vec16 weight_sums = tidal::load(sums);
+  V weight_sums = tidal::load<V>(sums);
   const float block_max = tidal::max(scores);
-  if (block_max > state.max) {  // rescale what came before: rare once the maximum settles
-    const float rescale = std::exp(state.max - block_max);  // 0 on the first finite block
-    for (int c = 0; c < CHUNKS; ++c) {
-      acc[0][c] *= rescale;
-      acc[1][c] *= rescale;
-    }
+  float rescale = 1.f;
+  if (block_max > state.max) {  // rescale what came before
+    rescale = std::exp(state.max - block_max);  // 0 on the first finite block
     weight_sums *= rescale;
     state.max = block_max;
   }
   // Scores are shifted by the maximum, or by 0 while every score so far is -inf (where
   // -inf - -inf would make every later weight NaN); an all -inf row ends as 0 / 0, as in torch.
   const float shift = state.max == -std::numeric_limits<float>::infinity() ? 0.f : state.max;
-  const vec16 weights = tidal::exp_nonpositive(scores - shift);
+  const V weights = tidal::exp_nonpositive(scores - shift);
   tidal::store(sums, weight_sums + weights);
-  const auto add_values = [&](int64_t j) {
-    const auto* v = values + offsets[j];
-    const float w = weights[j];
-    for (int c = 0; c < CHUNKS; ++c) acc[j & 1][c] += w * Rows::chunk(v, c);
-  };
-  if (n == kLanes) {
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kLanes; ++j) add_values(j);
-  } else {  // a row's last block: its padded lanes are skipped, as 0 * inf would be NaN
-    for (int64_t j = 0; j < n; ++j) add_values(j);
-  }
-  for (int c = 0; c < CHUNKS; ++c) {
-    tidal::store(state.acc + c * kLanes, acc[0][c]);
-    tidal::store(state.acc + (CHUNKS + c) * kLanes, acc[1][c]);
-  }
+  add_values<CHUNKS, Rows>(state.acc, rescale, weights, values, offsets, n);
 }
 
 template <typename Rows>
@@ -205,12 +256,12 @@ using BlockKernel = void (*)(const float*, HeadState&, const typename Rows::type
 template <typename Rows>
 BlockKernel<Rows> block_kernel(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return attend_block<2, Rows>;
-    case 64: return attend_block<4, Rows>;
-    case 80: return attend_block<5, Rows>;
-    case 96: return attend_block<6, Rows>;
-    case 128: return attend_block<8, Rows>;
-    case 256: return attend_block<16, Rows>;
+    case 32: return attend_block<32 / kLanes, Rows>;
+    case 64: return attend_block<64 / kLanes, Rows>;
+    case 80: return attend_block<80 / kLanes, Rows>;
+    case 96: return attend_block<96 / kLanes, Rows>;
+    case 128: return attend_block<128 / kLanes, Rows>;
+    case 256: return attend_block<256 / kLanes, Rows>;
     default: return nullptr;
   }
 }
@@ -237,8 +288,8 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
   std::vector<int64_t> element(dim);  // where lane l of chunk c sits in a head's row
   for (int64_t e = 0; e < dim; ++e) element[e] = Rows::element(e / kLanes, e % kLanes);
 
-  // A task is one row. Every head takes its turn on each 16 positions before the next 16, so
-  // the positions' whole cache rows (all KV heads) are read together, front to back.
+  // A task is one row. Every head takes its turn on each block of positions before the next,
+  // so the positions' whole cache rows (all KV heads) are read together, front to back.
   tidal::parallel_items(rows, [&](tidal::ItemSource& items) {
     const int64_t state_floats = 2 * dim + kLanes;
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
@@ -277,7 +328,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       scalar_t* oi = o + qrow[i] * out.stride(0);
       for (int64_t h = 0; h < heads; ++h) {
         const float* a = states[h].acc;
-        const float total = tidal::sum(tidal::load(a + 2 * dim));
+        const float total = tidal::sum(tidal::load<V>(a + 2 * dim));
         for (int64_t e = 0; e < dim; ++e)
           oi[h * dim + element[e]] = static_cast<scalar_t>((a[e] + a[dim + e]) / total);
       }

@@ -3,18 +3,24 @@
 //
 // A chunk's m query rows are the last m positions of its request's context (the positions
 // before them are cached: earlier chunks or a shared prefix), and row i attends causally over
-// positions [0, cached + i]. The work is split into items of 16 query rows of one KV head: the
-// rows of that head's query heads (GQA), position by position, so a key and value row read from
-// the cache serves every query head that shares it.
+// positions [0, cached + i]. The work is split into items of kRows query rows of one KV head:
+// the rows of that head's query heads (GQA), position by position, so a key and value row read
+// from the cache serves every query head that shares it.
 //
-// An item keeps its 16 rows side by side, one per vector lane: the queries transposed
-// (q^T[d] holds dimension d of all 16 rows), the output transposed likewise, and the online
-// softmax's running maximum and sum as vectors. For each 16 positions of the context, the
+// An item keeps its rows side by side, one per vector lane: the queries transposed (q^T[d]
+// holds dimension d of all its rows), the output transposed likewise, and the online softmax's
+// running maximum and sum as vectors. For each tile of kRows positions of the context, the
 // scores of key j are then sum_d q^T[d] * K[j][d], one multiply-add per element with the key's
 // element broadcast from the cache, and the output gains sum_j p[j] * V[j][d] the same way.
 // Softmax needs no horizontal sums or maxima: everything is lane-wise across the rows. Key
 // tiles past an item's last position are skipped, and only tiles that cross the diagonal are
 // masked.
+//
+// The vectors are the target's own (vec.h's vnative), so an item is 16 rows and a tile 16 keys
+// with AVX-512, 8 and 8 with AVX2: a tile's scores (one vector per key) and the query
+// dimensions multiplying them, or a step of output dimensions, then fit the 32 or 16 vector
+// registers. In 16-float vectors, two registers each with AVX2, the tiles spilled to the stack
+// there and the kernel lost to torch's path.
 //
 // bench/prefill_attention.py times it against torch's fused attention over gathered copies,
 // one call per request (the torch backend's path).
@@ -34,16 +40,22 @@
 #include <limits>
 #include <vector>
 
-using tidal::kLanes;
-using tidal::splat;
-using tidal::vec16;
-
 namespace {
 
-constexpr int64_t kDimStep = 8;  // output dimensions accumulated in registers at a time
+using V = tidal::vnative;
+// Query rows in an item, one per lane, and keys in a tile: the target's vector width.
+constexpr int64_t kRows = tidal::kNativeLanes;
+constexpr int64_t kKeys = kRows;
+// Query dimensions held in registers while a tile's scores accumulate, beside its kKeys sums.
+constexpr int kQueryStep = 4;
+// Output dimensions accumulated in registers at a time, each over a tile's keys.
+constexpr int kDimStep = 8;
+static_assert(kKeys + kQueryStep + 1 <= tidal::kNativeRegisters &&
+                  kDimStep + 2 <= tidal::kNativeRegisters,
+              "a tile must fit the target's vector registers");
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// 16 query rows of one KV head of one request.
+// kRows query rows of one KV head of one request.
 struct Item {
   int64_t request;
   int64_t kv_head;
@@ -93,17 +105,18 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
   }
 }
 
-// Scores of the item's 16 rows against the 16 keys at `offsets` (lane k of s[j]: row k, key j).
+// Scores of the item's kRows rows against the kKeys keys at `offsets` (lane k of s[j]: row k,
+// key j).
 template <int DIM>
-void tile_scores(const float* qt, const float* keys, const int64_t* offsets, vec16 s[kLanes]) {
-  for (int64_t j = 0; j < kLanes; ++j) s[j] = vec16{};
-  for (int d0 = 0; d0 < DIM; d0 += 4) {
-    vec16 q[4];
-    for (int dd = 0; dd < 4; ++dd) q[dd] = tidal::load(qt + (d0 + dd) * kLanes);
+void tile_scores(const float* qt, const float* keys, const int64_t* offsets, V s[kKeys]) {
+  for (int64_t j = 0; j < kKeys; ++j) s[j] = V{};
+  for (int d0 = 0; d0 < DIM; d0 += kQueryStep) {
+    V q[kQueryStep];
+    for (int dd = 0; dd < kQueryStep; ++dd) q[dd] = tidal::load<V>(qt + (d0 + dd) * kRows);
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < kLanes; ++j) {
+    for (int64_t j = 0; j < kKeys; ++j) {
       const float* k = keys + offsets[j] + d0;
-      for (int dd = 0; dd < 4; ++dd) s[j] += q[dd] * k[dd];
+      for (int dd = 0; dd < kQueryStep; ++dd) s[j] += q[dd] * k[dd];
     }
   }
 }
@@ -111,50 +124,52 @@ void tile_scores(const float* qt, const float* keys, const int64_t* offsets, vec
 // ot (the output so far, transposed) scaled by alpha, plus the first n values at `offsets`
 // weighted by p.
 template <int DIM>
-void tile_values(float* ot, vec16 alpha, const vec16 p[kLanes], const float* values,
+void tile_values(float* ot, V alpha, const V p[kKeys], const float* values,
                  const int64_t* offsets, int64_t n) {
   for (int d0 = 0; d0 < DIM; d0 += kDimStep) {
-    vec16 acc[kDimStep];
-    for (int dd = 0; dd < kDimStep; ++dd) acc[dd] = tidal::load(ot + (d0 + dd) * kLanes) * alpha;
+    V acc[kDimStep];
+    for (int dd = 0; dd < kDimStep; ++dd)
+      acc[dd] = tidal::load<V>(ot + (d0 + dd) * kRows) * alpha;
     const auto add = [&](int64_t j) {
       const float* v = values + offsets[j] + d0;
       for (int dd = 0; dd < kDimStep; ++dd) acc[dd] += p[j] * v[dd];
     };
-    if (n == kLanes) {
+    if (n == kKeys) {
 #pragma GCC unroll 16
-      for (int64_t j = 0; j < kLanes; ++j) add(j);
+      for (int64_t j = 0; j < kKeys; ++j) add(j);
     } else {
       for (int64_t j = 0; j < n; ++j) add(j);
     }
-    for (int dd = 0; dd < kDimStep; ++dd) tidal::store(ot + (d0 + dd) * kLanes, acc[dd]);
+    for (int dd = 0; dd < kDimStep; ++dd) tidal::store(ot + (d0 + dd) * kRows, acc[dd]);
   }
 }
 
-// One item over its context: qt [DIM][16] (scaled queries), positions[k] the position of row k,
-// in increasing order; leaves the unnormalised output in ot [DIM][16] and returns the softmax
-// sums.
+// One item over its context: qt [DIM][kRows] (scaled queries), positions[k] the position of
+// row k, in increasing order; leaves the unnormalised output in ot [DIM][kRows] and returns
+// the softmax sums.
 template <int DIM>
-vec16 attend_rows(const float* qt, vec16 positions, const float* keys, const float* values,
-                  const int64_t* offsets, float* ot) {
-  std::fill(ot, ot + DIM * kLanes, 0.f);
-  vec16 running_max = splat(kMinusInf), sums{};
+V attend_rows(const float* qt, V positions, const float* keys, const float* values,
+              const int64_t* offsets, float* ot) {
+  const V minus_inf = tidal::splat<V>(kMinusInf);
+  std::fill(ot, ot + DIM * kRows, 0.f);
+  V running_max = minus_inf, sums{};
   const float first_position = positions[0];
-  const int64_t end = static_cast<int64_t>(positions[kLanes - 1]) + 1;  // keys to attend
-  for (int64_t k0 = 0; k0 < end; k0 += kLanes) {
-    vec16 s[kLanes], p[kLanes];
+  const int64_t end = static_cast<int64_t>(positions[kRows - 1]) + 1;  // keys to attend
+  for (int64_t k0 = 0; k0 < end; k0 += kKeys) {
+    V s[kKeys], p[kKeys];
     tile_scores<DIM>(qt, keys, offsets + k0, s);
-    if (k0 + kLanes - 1 > first_position) {  // the tile crosses the diagonal: mask the future
-      for (int64_t j = 0; j < kLanes; ++j)
-        s[j] = positions < static_cast<float>(k0 + j) ? splat(kMinusInf) : s[j];
+    if (k0 + kKeys - 1 > first_position) {  // the tile crosses the diagonal: mask the future
+      for (int64_t j = 0; j < kKeys; ++j)
+        s[j] = positions < static_cast<float>(k0 + j) ? minus_inf : s[j];
     }
-    vec16 tile_max = s[0];
-    for (int64_t j = 1; j < kLanes; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
-    const vec16 new_max = tile_max > running_max ? tile_max : running_max;
+    V tile_max = s[0];
+    for (int64_t j = 1; j < kKeys; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+    const V new_max = tile_max > running_max ? tile_max : running_max;
     // shifted by the maximum, or by 0 while a row's every score is -inf (-inf - -inf is NaN)
-    const vec16 shift = new_max == splat(kMinusInf) ? vec16{} : new_max;
-    const vec16 alpha = tidal::exp_nonpositive(running_max - shift);
-    const int64_t n = std::min(kLanes, end - k0);
-    vec16 tile_sum{};
+    const V shift = new_max == minus_inf ? V{} : new_max;
+    const V alpha = tidal::exp_nonpositive(running_max - shift);
+    const int64_t n = std::min(kKeys, end - k0);
+    V tile_sum{};
     for (int64_t j = 0; j < n; ++j) {
       p[j] = tidal::exp_nonpositive(s[j] - shift);
       tile_sum += p[j];
@@ -182,7 +197,7 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
   for (int64_t i = 0; i < requests.numel(); ++i) {
     const int64_t rows = (qsl[req[i] + 1] - qsl[req[i]]) * group;
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t first = 0; first < rows; first += kLanes) items.push_back({req[i], h, first});
+      for (int64_t first = 0; first < rows; first += kRows) items.push_back({req[i], h, first});
   }
   const float* q = query.data_ptr<float>();
   const float* keys = key_cache.data_ptr<float>();
@@ -190,22 +205,22 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
   float* o = out.data_ptr<float>();
 
   tidal::parallel_items(static_cast<int64_t>(items.size()), [&](tidal::ItemSource& source) {
-    std::vector<float> qt(DIM * kLanes), ot(DIM * kLanes);
-    std::vector<int64_t> offsets, token(kLanes), head(kLanes);
+    std::vector<float> qt(DIM * kRows), ot(DIM * kRows);
+    std::vector<int64_t> offsets, token(kRows), head(kRows);
     int64_t offsets_of = -1;  // the request `offsets` was made for
     for (int64_t i; (i = source.next()) >= 0;) {
       const Item& item = items[i];
       const Chunk c = {qsl[item.request], qsl[item.request + 1], lens[item.request]};
       const int64_t cached = c.len - (c.last - c.first);
-      const int64_t rows = std::min(kLanes, (c.last - c.first) * group - item.first_row);
-      vec16 positions;
-      for (int64_t k = 0; k < kLanes; ++k) {  // lanes past the last row repeat it, unwritten
+      const int64_t rows = std::min(kRows, (c.last - c.first) * group - item.first_row);
+      V positions;
+      for (int64_t k = 0; k < kRows; ++k) {  // lanes past the last row repeat it, unwritten
         const int64_t row = item.first_row + std::min(k, rows - 1);
         token[k] = c.first + row / group;
         head[k] = item.kv_head * group + row % group;
         positions[k] = static_cast<float>(cached + row / group);
         const float* qk = q + token[k] * query.stride(0) + head[k] * DIM;
-        for (int64_t d = 0; d < DIM; ++d) qt[d * kLanes + k] = qk[d] * scale;
+        for (int64_t d = 0; d < DIM; ++d) qt[d * kRows + k] = qk[d] * scale;
       }
       if (offsets_of != item.request) {
         tidal::context_offsets(table + item.request * block_table.stride(0), c.len,
@@ -214,13 +229,13 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
         offsets_of = item.request;
       }
       const int64_t kv_offset = item.kv_head * DIM;
-      const vec16 sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
-                                          values + kv_offset, offsets.data(), ot.data());
-      for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not 16
-        tidal::store(ot.data() + d * kLanes, tidal::load(ot.data() + d * kLanes) / sums);
+      const V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
+                                      values + kv_offset, offsets.data(), ot.data());
+      for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not one per row
+        tidal::store(ot.data() + d * kRows, tidal::load<V>(ot.data() + d * kRows) / sums);
       for (int64_t k = 0; k < rows; ++k) {
         float* ok = o + token[k] * out.stride(0) + head[k] * DIM;
-        for (int64_t d = 0; d < DIM; ++d) ok[d] = ot[d * kLanes + k];
+        for (int64_t d = 0; d < DIM; ++d) ok[d] = ot[d * kRows + k];
       }
     }
   });
