@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and activation dtype; 'auto' is float32 on CPU and "
                        "bfloat16 on GPU")
+    model.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                       help="quantize the decoder layers' weights at load: 'int8' (one scale "
+                       "per output channel) or 'int4' (groups of --quantization-group-size); "
+                       "the embedding and output head keep --dtype")
+    model.add_argument("--quantization-group-size", type=int, default=32,
+                       choices=[32, 64, 128], help="inputs sharing an int4 scale")
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
                        "max_position_embeddings)")
@@ -199,7 +205,8 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
-            cpu_kernels=args.cpu_kernels)
+            cpu_kernels=args.cpu_kernels, quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
@@ -239,6 +246,10 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
     listen = (f" (listening on {settings.host or 'every address'}:{settings.port})"
               if settings.host in ("0.0.0.0", "::", "") else "")
     dtype = str(runner.dtype).removeprefix("torch.")
+    if config.quantization == "int8":
+        dtype += ", decoder weights int8"
+    elif config.quantization == "int4":
+        dtype += f", decoder weights int4 (groups of {config.quantization_group_size})"
     lines = [
         f"tidal {package_version()} serving {settings.served_model_name}{listen}",
         f"  model     {config.model} ({arch.architecture}, {arch.num_layers} layers, "

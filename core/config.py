@@ -44,6 +44,10 @@ class EngineConfig:
     # CPU: "auto" (each op's fastest on this host, timed), "force" (tidal's kernels) or "off"
     # (torch's own paths); None: the TIDAL_CPU_KERNELS environment variable, else "auto"
     cpu_kernels: str | None = None
+    # Weight-only quantization of the decoder layers' linears at load: None, "int8" (one scale
+    # per output channel) or "int4" (groups of ``quantization_group_size`` inputs)
+    quantization: str | None = None
+    quantization_group_size: int = 32
     seed: int = 0
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 
@@ -69,6 +73,11 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError("quantization_group_size must be 32, 64 or 128, "
+                             f"got {self.quantization_group_size!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

@@ -17,6 +17,7 @@ from gpu.cpu.packed_linear import can_pack
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
+from gpu.quantization.apply import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
                max_positions: int, dtype: torch.dtype, device: str, max_rows: int = 256,
                max_seqs: int = 64, plan_cache: PlanCache | None = None,
-               timed: bool = True) -> LlamaForCausalLM:
-    """The model, ready to run. On the CPU its ops are planned for steps of up to ``max_rows``
-    tokens and ``max_seqs`` decode rows (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by
-    default this host's), by timing them unless not ``timed``."""
+               timed: bool = True, quantization: str | None = None,
+               group_size: int = 32) -> LlamaForCausalLM:
+    """The model, ready to run, its decoder layers' linears quantized where ``quantization``
+    says (``int8``, or ``int4`` in groups of ``group_size``). On the CPU its ops are planned
+    for steps of up to ``max_rows`` tokens and ``max_seqs`` decode rows
+    (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by default this host's), by timing them
+    unless not ``timed``."""
     model = read_model(model_dir, cfg, backend, max_positions, dtype, device)
+    if quantization is not None:
+        quantize_model(model, quantization, group_size)
     if can_pack(device, dtype):
         prepare_for_cpu(model, max_rows, max_seqs, plan_cache, timed)
     return model

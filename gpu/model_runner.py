@@ -186,7 +186,9 @@ class ModelRunner:
         backend = get_attention_backend(config.attention_backend, config.device)
         return load_model(config.model, self.model_config, backend, self.max_model_len,
                           self.dtype, config.device, max_rows=config.max_num_batched_tokens,
-                          max_seqs=config.max_num_seqs, timed=timed)
+                          max_seqs=config.max_num_seqs, timed=timed,
+                          quantization=config.quantization,
+                          group_size=config.quantization_group_size)
 
     def _swap_in_kernels(self) -> None:
         """Between steps: the model planned on the CPU kernels, once built in the background."""

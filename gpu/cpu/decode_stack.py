@@ -18,13 +18,15 @@ from gpu.attention import AttentionMetadata
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.cpu.kernels import load_cpu_kernels
 from gpu.cpu.packed_linear import PackedLinear
+from gpu.quantization.linear import QuantLinear
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def build_decode_stack(model: torch.nn.Module) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
-    dtype or device, another attention backend, q/k norms, or linears not packed."""
+    dtype or device, another attention backend, q/k norms, or linears without a C++
+    ``PlannedLinear`` (not packed, or quantized)."""
     kernels = load_cpu_kernels()
     cfg = model.config
     embedding = model.embed_tokens.weight
@@ -33,7 +35,7 @@ def build_decode_stack(model: torch.nn.Module) -> Any | None:
         return None
     attns = [layer.self_attn for layer in model.layers]
     linears = [m for layer in model.layers for m in layer.modules()
-               if isinstance(m, (PackedLinear, torch.nn.Linear))]
+               if isinstance(m, (PackedLinear, QuantLinear, torch.nn.Linear))]
     if (not all(isinstance(a.backend, CpuAttentionBackend) for a in attns)
             or not all(isinstance(m, PackedLinear) and m.kernel is not None for m in linears)):
         return None

@@ -25,6 +25,7 @@ from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cpu.packed_linear import pack_linear_layers
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.layers import RMSNorm, silu_and_mul
+from gpu.quantization.linear import plan_quant_linears
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
     auto = selector.mode() == "auto" and timed
     cache = cache if cache is not None else (PlanCache() if auto else None)
     linears = pack_linear_layers(model, max_rows, cache if auto else None)
-    plans = {f"linear {m.out_features}x{m.in_features}": m.plan for m in linears}
+    plans: dict[str, Plan] = {f"linear {m.out_features}x{m.in_features}": m.plan
+                              for m in linears}
+    plans.update(plan_quant_linears(model, max_rows, cache if auto else None))
     kernels = load_cpu_kernels()
     dtype = model.embed_tokens.weight.dtype
     if auto and kernels is not None and cache is not None:

@@ -1,0 +1,124 @@
+"""Quantized weights in one form every format maps onto, and the quantizers of
+``--quantization``.
+
+A linear weight ``W`` of ``[out, in]`` is kept as small integers ``q`` with a scale (and, for
+asymmetric formats, an offset) per group of ``group_size`` consecutive inputs of one output::
+
+    W[n, k] = q[n, k] * scales[n, k // group_size] + offsets[n, k // group_size]
+
+That affine form holds every format tidal reads: per-channel int8 (one group per row), int4
+with a minimum (``--quantization int4``, GPTQ/AWQ's ``(q - zero) * scale``, GGUF's Q4_K), and
+the symmetric GGUF blocks (Q8_0, Q4_0, Q6_K). ``q`` is one value per byte here; the kernels
+repack it (two 4-bit values to a byte) as they need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (4, 8)
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class QuantizedWeight:
+    """``bits`` 8: ``q`` int8 in [-128, 127]; ``bits`` 4: ``q`` uint8 in [0, 15] (a symmetric
+    4-bit format's ``(q - 8) * scale`` has the offset ``-8 * scale``). ``offsets`` is ``None``
+    where it would be all zeros."""
+
+    bits: int
+    group_size: int
+    q: torch.Tensor  # [out, in], int8 or uint8, one value per byte
+    scales: torch.Tensor  # [out, in // group_size], float32
+    offsets: torch.Tensor | None = None  # like scales
+
+    def __post_init__(self) -> None:
+        out, inp = self.q.shape
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}; got {self.bits}")
+        if inp % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide in_features {inp}")
+        want = torch.int8 if self.bits == 8 else torch.uint8
+        if self.q.dtype != want:
+            raise ValueError(f"{self.bits}-bit values must be {want}; got {self.q.dtype}")
+        groups = (out, inp // self.group_size)
+        for name in ("scales", "offsets"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != groups:
+                raise ValueError(f"{name} must be {list(groups)}; got {list(t.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size == self.q.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this weight takes in a kernel's layout (4-bit values two to a byte)."""
+        n, k = self.shape
+        groups = n * (k // self.group_size) * (1 if self.offsets is None else 2)
+        return n * k * self.bits // 8 + groups * self.scales.element_size()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[out, in]`` this stands for (the reference every kernel meets)."""
+        n, k = self.shape
+        w = self.q.float().view(n, -1, self.group_size) * self.scales.float()[..., None]
+        if self.offsets is not None:
+            w = w + self.offsets.float()[..., None]
+        return w.view(n, k).to(dtype)
+
+    def narrow_rows(self, start: int, length: int) -> QuantizedWeight:
+        """Output rows ``start:start + length`` (a shard of a fused weight)."""
+        cut = (lambda t: None if t is None else t.narrow(0, start, length))
+        return QuantizedWeight(self.bits, self.group_size, cut(self.q), cut(self.scales),
+                               cut(self.offsets))
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format stacked along their outputs (q, k and v into qkv)."""
+    first = parts[0]
+    if any((p.bits, p.group_size, p.offsets is None)
+           != (first.bits, first.group_size, first.offsets is None) for p in parts):
+        raise ValueError("cannot fuse weights quantized in different formats")
+    offsets = (None if first.offsets is None
+               else torch.cat([p.offsets for p in parts]))
+    return QuantizedWeight(first.bits, first.group_size, torch.cat([p.q for p in parts]),
+                           torch.cat([p.scales for p in parts]), offsets)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output channel: ``q = round(w / (absmax / 127))``."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, w.shape[1], q, scales)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """Asymmetric int4 per group of ``group_size`` inputs: ``q`` in [0, 15] over each group's
+    [min, max], the offset being the minimum."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}; got {group_size}")
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide in_features {k}")
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, group_size, q.view(n, k), scales, lo)
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int = 32) -> QuantizedWeight:
+    """``method``: ``int8`` or ``int4``."""
+    if method == "int8":
+        return quantize_int8(weight)
+    if method == "int4":
+        return quantize_int4(weight, group_size)
+    raise ValueError(f"quantization must be int8 or int4; got {method!r}")
