@@ -1,23 +1,22 @@
-"""Load a Hugging Face model directory (config.json + safetensors) into our model code."""
+"""Load a model's checkpoint (``gpu/checkpoints/``) into our model code."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from gpu.attention import AttentionBackend
+from gpu.checkpoints import checkpoint_weights
 from gpu.cpu.decode_stack import build_decode_stack
 from gpu.cpu.op_plans import ModelPlans, log_plans, plan_model, stack_rows
 from gpu.cpu.packed_linear import can_pack
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
-from gpu.quantization.apply import quantize_model
+from gpu.quantization.apply import install, quantize_model
+from gpu.quantization.weights import QuantizedWeight, cat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
-    _load_weights(model, cfg, Path(model_dir))
+    _load_weights(model, cfg, Path(model_dir), dtype)
     return model.eval()
 
 
@@ -78,27 +77,52 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
     return plans
 
 
-def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path) -> None:
+def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path,
+                  dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in _iter_safetensors(model_dir):
+    quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
+    for name, value in checkpoint_weights(model_dir):
         target, shard = _map_name(name)
         if target is None or target not in params:
             if not name.endswith("rotary_emb.inv_freq"):
                 logger.debug("skipping weight %s", name)
             continue
+        if isinstance(value, QuantizedWeight):
+            quantized.setdefault(target, {})[0 if shard is None else shard] = value
+            loaded.add(target)
+            continue
         param = params[target]
         with torch.no_grad():
             if shard is None:
-                param.copy_(tensor)
+                param.copy_(value)
             else:
-                _fused_slice(param, target, shard, cfg).copy_(tensor)
+                _fused_slice(param, target, shard, cfg).copy_(value)
         loaded.add(target)
+    for target, shards in quantized.items():
+        _install_quantized(model, target, shards, dtype)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+
+def _install_quantized(model: LlamaForCausalLM, target: str,
+                       shards: dict[int, QuantizedWeight], dtype: torch.dtype) -> None:
+    """Replace the linear ``target`` names (``layers.0.self_attn.qkv_proj.weight``) with a
+    ``QuantLinear`` over its shards fused in order."""
+    path, attr, _ = target.rsplit(".", 2)
+    parent = model.get_submodule(path)
+    linear = getattr(parent, attr)
+    expected = 3 if attr == "qkv_proj" else 2 if attr == "gate_up_proj" else 1
+    if sorted(shards) != list(range(expected)):
+        raise ValueError(f"quantized {target} is missing shards: got {sorted(shards)}")
+    weight = cat_rows([shards[i] for i in range(expected)])
+    if weight.shape != tuple(linear.weight.shape):
+        raise ValueError(f"quantized {target} is {list(weight.shape)}, the model's "
+                         f"{list(linear.weight.shape)}")
+    install(parent, attr, weight, linear.bias, dtype)
 
 
 def _map_name(name: str) -> tuple[str | None, int | None]:
@@ -121,17 +145,3 @@ def _fused_slice(param: torch.Tensor, target: str, shard: int,
         sizes = [cfg.intermediate_size] * 2
     start = sum(sizes[:shard])
     return param.narrow(0, start, sizes[shard])
-
-
-def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-    for file in files:
-        with safe_open(str(model_dir / file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

@@ -1,0 +1,28 @@
+"""Reading a model's weights from the checkpoint formats users have, as ``(name, value)``
+pairs in Hugging Face's naming (``model.layers.0.self_attn.q_proj.weight``): a value is a
+float tensor, or a ``QuantizedWeight`` that stays quantized (``gpu/quantization/weights.py``).
+``gpu/model_loader.py`` maps the names onto the model and installs the quantized linears."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from gpu.checkpoints.safetensors_files import iter_safetensors
+from gpu.quantization.weights import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's weights, by its format."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"{model_dir} holds a {method!r} quantized checkpoint, which tidal "
+                         "does not read")
+    return iter_safetensors(model_dir)
