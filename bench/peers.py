@@ -39,6 +39,7 @@ GGUF_CONVERT = Path(__file__).resolve().parent / "gguf_convert.py"
 # (32 x 2,048 = 65,536), more when the plan's concurrency or sequences need them.
 LLAMA_MIN_SLOTS = 32
 LLAMA_MIN_SLOT_TOKENS = 2048
+LLAMA_QUANTS = ("f32", "q8_0", "q4_0")  # the GGUF weight types the harness can make
 # vLLM's environment unless the caller's sets these: a 1 GiB KV cache, a local directory (no hub
 # look-ups) and no usage reports sent anywhere
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -136,6 +137,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
                     help="the Python that runs it, with torch, transformers, gguf and "
                     "sentencepiece (default: $TIDAL_BENCH_LLAMA_CONVERT_PYTHON, else "
                     f"{PEERS_DIR}/convert-venv/bin/python, else this Python)")
+    ap.add_argument("--llama-quant", default="f32", choices=list(LLAMA_QUANTS),
+                    help="the GGUF's weight type: f32 and q8_0 by the converter, q4_0 by "
+                    "llama-quantize (beside llama-server) from the f32 file")
     ap.add_argument("--llamacpp-arg", action="append", default=[],
                     help="extra argument for llama-server, after its defaults -np SLOTS -c "
                     "SLOTS x 2048 -t CORES (repeatable; the last of a flag given twice wins)")
@@ -220,11 +224,11 @@ def find_llamacpp(args: argparse.Namespace, model: str, needs: dict) -> Peer:
         raise PeerUnavailable(f"{binary} --version failed: {_tail(said)}")
     version = next((line.split(":", 1)[1].strip() for line in said.splitlines()
                     if line.startswith("version:")), _tail(said, 1))
-    gguf = model_gguf(model, args)
+    gguf = model_gguf(model, args, binary)
     slots = max(LLAMA_MIN_SLOTS, needs.get("concurrency", 0))
     slot_tokens = max(LLAMA_MIN_SLOT_TOKENS, -(-needs.get("sequence_tokens", 0) // 256) * 256)
     defaults = ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", str(os.cpu_count())]
-    return Peer("llamacpp", "llama.cpp llama-server (f32 GGUF)", version,
+    return Peer("llamacpp", f"llama.cpp llama-server ({args.llama_quant} GGUF)", version,
                 [*defaults, *args.llamacpp_arg],
                 lambda model, server_args: LlamaServer(model, server_args, binary, gguf),
                 {"binary": binary, "gguf": str(gguf)})
@@ -250,20 +254,26 @@ def find_peers(keys: list[str], args: argparse.Namespace, model: str, needs: dic
 
 
 # -- llama.cpp's model file -----------------------------------------------------------------
-def gguf_path(model: str | Path) -> Path:
-    """Where the model directory's f32 GGUF is cached: beside it, ``DIR-f32.gguf``; for a
-    model inside this checkout (the embedded default), under the temporary directory."""
+def gguf_path(model: str | Path, quant: str = "f32") -> Path:
+    """Where the model directory's GGUF of weight type ``quant`` is cached: beside it,
+    ``DIR-f32.gguf``; for a model inside this checkout (the embedded default), under the
+    temporary directory."""
     model = Path(model).resolve()
     if model.is_relative_to(ROOT):
         digest = hashlib.sha256(str(model).encode()).hexdigest()[:8]
-        return Path(tempfile.gettempdir()) / "tidal-gguf" / f"{model.name}-{digest}-f32.gguf"
-    return model.with_name(model.name + "-f32.gguf")
+        return Path(tempfile.gettempdir()) / "tidal-gguf" / f"{model.name}-{digest}-{quant}.gguf"
+    return model.with_name(f"{model.name}-{quant}.gguf")
 
 
-def model_gguf(model: str, args: argparse.Namespace) -> Path:
-    """The model directory's f32 GGUF, converted now unless one newer than every file of the
-    directory is there already."""
-    out = gguf_path(model)
+def model_gguf(model: str, args: argparse.Namespace, server: str = "") -> Path:
+    """The model directory's GGUF of ``--llama-quant``'s type, made now unless one newer than
+    every file of the directory is there already; q4_0 is quantized from the f32 file by the
+    ``llama-quantize`` beside ``server``."""
+    quant = getattr(args, "llama_quant", "f32")
+    if quant == "q4_0":
+        return _llama_quantize(model_gguf(model, _with_quant(args, "f32")), quant,
+                               Path(server).with_name("llama-quantize"))
+    out = gguf_path(model, quant)
     newest = max((f.stat().st_mtime for f in Path(model).iterdir() if f.is_file()), default=0)
     if out.is_file() and out.stat().st_mtime >= newest:
         return out
@@ -277,7 +287,7 @@ def model_gguf(model: str, args: argparse.Namespace) -> Path:
                       PEERS_DIR / "convert-venv" / "bin" / "python") or sys.executable
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial.gguf")
-    command = [python, str(GGUF_CONVERT), script, str(model), "--outtype", "f32",
+    command = [python, str(GGUF_CONVERT), script, str(model), "--outtype", quant,
                "--outfile", str(partial)]
     print(f"[llamacpp] converting {model} to {out}: {' '.join(command)}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
@@ -286,4 +296,23 @@ def model_gguf(model: str, args: argparse.Namespace) -> Path:
         raise PeerUnavailable(f"converting the model to GGUF failed ({python} {script}): "
                               f"{_tail(done.stderr or done.stdout)}")
     os.replace(partial, out)
+    return out
+
+
+def _with_quant(args: argparse.Namespace, quant: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "llama_quant": quant})
+
+
+def _llama_quantize(f32: Path, quant: str, tool: Path) -> Path:
+    out = f32.with_name(f32.name.replace("-f32.gguf", f"-{quant}.gguf"))
+    if out.is_file() and out.stat().st_mtime >= f32.stat().st_mtime:
+        return out
+    if not tool.is_file():
+        raise PeerUnavailable(f"no {tool} to make a {quant} GGUF: build llama.cpp's "
+                              "llama-quantize target beside llama-server")
+    done = subprocess.run([str(tool), str(f32), str(out), quant.upper()], capture_output=True,
+                          text=True, timeout=3600)
+    if done.returncode:
+        out.unlink(missing_ok=True)
+        raise PeerUnavailable(f"llama-quantize failed: {_tail(done.stderr or done.stdout)}")
     return out

@@ -3,18 +3,16 @@ batching, chunking, prefix caching or preemption."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core import LLM, SamplingParams
+from core import SamplingParams
 from gpu.model_config import ModelConfig
 from gpu.random_model import build_model_dir
-from tests.device import GPU_TEST_KV_CACHE, TEST_DEVICE
+from tests.device import TEST_DEVICE
+from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
 
-NEW_TOKENS = 32
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 MODELS = {
@@ -29,14 +27,6 @@ MODELS = {
 def _twenty_blocks(path: str) -> int:
     """KV-cache bytes for 20 blocks of 16 float32 tokens of this model."""
     return 20 * 16 * ModelConfig.from_dir(path).kv_bytes_per_token(4)
-
-
-def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    """Eight prompts of 1 to 200 tokens (plus an optional prefix they all share)."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(6, 400) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(6, 400) for _ in range(n)]
-            for n in (1, 5, 17, 33, 64, 100, 150, 200)]
 
 
 _BUILT: dict[str, tuple[str, AutoModelForCausalLM]] = {}
@@ -65,73 +55,32 @@ def core_model(request, tmp_path_factory):
     return _model(request.param, tmp_path_factory)
 
 
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    key = tuple(prompt)
-    if key not in hf.reference_cache:
-        hf.reference_cache[key] = _run_hf(hf, prompt)
-    return hf.reference_cache[key]
-
-
-def _run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=0)
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).cpu()
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
-def _llm(path: str, **kwargs) -> LLM:
-    """Our engine on the test device, in float32 like the reference (on a GPU: Triton
-    attention, CUDA graphs, async scheduling)."""
-    if TEST_DEVICE != "cpu":
-        kwargs.setdefault("kv_cache_memory", GPU_TEST_KV_CACHE)
-    return LLM(path, device=TEST_DEVICE, dtype="float32", **kwargs)
-
-
-def _check_against_hf(hf, llm: LLM, prompts: list[list[int]]) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                            logprobs=3)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outputs] == prompts
-    for prompt, out in zip(prompts, outputs):
-        ref_ids, ref_logprobs = _hf_greedy(hf, prompt)
-        completion = out.outputs[0]
-        assert completion.token_ids == ref_ids, f"prompt of {len(prompt)} tokens diverged"
-        assert completion.finish_reason == "length"
-        for step, token_id in enumerate(ref_ids):
-            top = torch.topk(ref_logprobs[step], 3)
-            got = completion.logprobs[step]
-            assert got[token_id] == pytest.approx(ref_logprobs[step, token_id].item(), abs=1e-4)
-            for ref_id, ref_value in zip(top.indices.tolist(), top.values.tolist()):
-                assert got[ref_id] == pytest.approx(ref_value, abs=1e-4)
-
-
 def test_matches_hf_in_one_batch(model):
     path, hf = model
-    _check_against_hf(hf, _llm(path), _prompts(0))
+    check_against_hf(hf, fidelity_llm(path), reference_prompts(0))
 
 
 def test_matches_hf_with_prefix_cache_hits(model):
     path, hf = model
-    llm = _llm(path, enable_prefix_caching=True)
-    prompts = _prompts(1, shared_prefix=40)
+    llm = fidelity_llm(path, enable_prefix_caching=True)
+    prompts = reference_prompts(1, shared_prefix=40)
     llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm the cache
-    _check_against_hf(hf, llm, prompts)
+    check_against_hf(hf, llm, prompts)
     assert llm.engine.stats().prefix_cache_hits >= len(prompts) * 32
 
 
 @pytest.mark.slow
 def test_matches_hf_under_chunked_prefill(core_model):
     path, hf = core_model
-    _check_against_hf(hf, _llm(path, max_num_batched_tokens=24), _prompts(0))
+    check_against_hf(hf, fidelity_llm(path, max_num_batched_tokens=24), reference_prompts(0))
 
 
 @pytest.mark.slow
 def test_matches_hf_under_preemption(core_model):
     path, hf = core_model
-    llm = _llm(path, kv_cache_memory=_twenty_blocks(path))
+    llm = fidelity_llm(path, kv_cache_memory=_twenty_blocks(path))
     assert llm.engine.kv.num_blocks == 20
-    _check_against_hf(hf, llm, _prompts(0))
+    check_against_hf(hf, llm, reference_prompts(0))
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv.pool.num_free_blocks == 20
 
@@ -139,25 +88,25 @@ def test_matches_hf_under_preemption(core_model):
 @pytest.mark.slow
 def test_matches_hf_with_two_seqs_at_a_time(core_model):
     path, hf = core_model
-    _check_against_hf(hf, _llm(path, max_num_seqs=2), _prompts(0))
+    check_against_hf(hf, fidelity_llm(path, max_num_seqs=2), reference_prompts(0))
 
 
 @pytest.mark.slow
 def test_matches_hf_with_async_scheduling_under_preemption_and_chunking(core_model):
     path, hf = core_model
-    llm = _llm(path, async_scheduling=True, max_num_batched_tokens=48,
+    llm = fidelity_llm(path, async_scheduling=True, max_num_batched_tokens=48,
                kv_cache_memory=_twenty_blocks(path))
-    _check_against_hf(hf, llm, _prompts(0))
+    check_against_hf(hf, llm, reference_prompts(0))
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv.pool.num_free_blocks == 20
 
 
 def test_async_scheduling_survives_aborts_and_frees_blocks(tmp_path_factory):
     path, _ = _model("llama", tmp_path_factory)
-    prompts = _prompts(5)
+    prompts = reference_prompts(5)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    sync_out = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
-    llm = _llm(path, async_scheduling=True, max_num_seqs=4)
+    sync_out = fidelity_llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = fidelity_llm(path, async_scheduling=True, max_num_seqs=4)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)

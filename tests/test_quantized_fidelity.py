@@ -1,0 +1,140 @@
+"""Quantized models: tidal's int8/int4 engine equals HF transformers running the same quantized
+weights dequantized into a float model, under every condition float models are tested in; and
+the quantization itself stays within its stated bounds of the float original (top logprobs,
+held-out loss of the embedded model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core import DEFAULT_MODEL, SamplingParams
+from gpu.model_config import ModelConfig
+from gpu.quantization.weights import quantize
+from gpu.random_model import build_model_dir
+from gpu.training.heldout import nats_per_char
+from tests.device import TEST_DEVICE
+from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts, replace_hf_linears
+
+HELD_OUT = Path(__file__).with_name("data") / "heldout-shakespeare.txt"
+FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64)}
+# Bounds against the float original: the top logprob of the float run's tokens, and the
+# embedded model's held-out loss (nats per character) rising by at most this fraction.
+TOP_LOGPROB_NATS, TOP_LOGPROB_SHARE = 0.05, 0.99
+HELD_OUT_RISE = {"int8": 0.01, "int4g32": 0.05}
+
+
+def hf_twin(path: str, fmt: str):
+    """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
+    dequantized: the reference tidal's quantized engine is held to."""
+    method, group = FORMATS[fmt]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
+    replace_hf_linears(hf, lambda name, w: quantize(w.cpu(), method, group).dequantize())
+    hf.generation_config.eos_token_id = None
+    hf.reference_cache = {}
+    return hf
+
+
+_BUILT: dict[str, str] = {}
+
+
+def model_dir(arch: str, tmp_path_factory, **overrides) -> str:
+    if arch not in _BUILT:
+        _BUILT[arch] = str(build_model_dir(tmp_path_factory.mktemp(arch), arch, **overrides))
+    return _BUILT[arch]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_quantized_engine_equals_hf_on_the_dequantized_weights(arch, fmt, tmp_path_factory):
+    path = model_dir(arch, tmp_path_factory)
+    method, group = FORMATS[fmt]
+    llm = fidelity_llm(path, quantization=method, quantization_group_size=group)
+    check_against_hf(hf_twin(path, fmt), llm, reference_prompts(0), tol=2e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "int4g32"])
+def test_quantized_engine_holds_under_chunking_preemption_prefix_hits_and_async(
+        fmt, tmp_path_factory):
+    path = model_dir("llama", tmp_path_factory)
+    method, group = FORMATS[fmt]
+    blocks = 20 * 16 * ModelConfig.from_dir(path).kv_bytes_per_token(4)
+    llm = fidelity_llm(path, quantization=method, quantization_group_size=group,
+                       async_scheduling=True, max_num_batched_tokens=48,
+                       kv_cache_memory=blocks, enable_prefix_caching=True)
+    prompts = reference_prompts(1, shared_prefix=40)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+    check_against_hf(hf_twin(path, fmt), llm, prompts, tol=2e-4)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.engine.kv.pool.num_free_blocks == 20
+
+
+def test_quantized_n_choices_sample_apart_and_greedy_choices_agree(tmp_path_factory):
+    path = model_dir("llama", tmp_path_factory)
+    llm = fidelity_llm(path, quantization="int4")
+    prompt = reference_prompts(2)[3]
+    sampled = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7,
+                                                     max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in sampled}) == 3
+    greedy = llm.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids
+
+
+def top_logprobs(hf, sequences: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+    """Teacher-forced: at each generated position, the top logprob ``hf`` gives."""
+    tops = []
+    with torch.no_grad():
+        for seq, start in zip(sequences, prompt_lens):
+            logits = hf(torch.tensor([seq], device=TEST_DEVICE)).logits[0].float()
+            logprobs = torch.log_softmax(logits[start - 1:-1], dim=-1)
+            tops.append(logprobs.max(dim=-1).values.cpu())
+    return torch.cat(tops)
+
+
+def float_continuations(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=TEST_DEVICE)
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        out.append(seq[0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8"])
+@pytest.mark.parametrize("which", ["default", "llama", "qwen3"])
+def test_int8_top_logprobs_stay_within_bounds_of_float(which, fmt, tmp_path_factory):
+    """8 prompts x 64 greedy float tokens: the quantized model's top logprob at each stays
+    within ``TOP_LOGPROB_NATS`` of the float model's for ``TOP_LOGPROB_SHARE`` of them."""
+    path = DEFAULT_MODEL if which == "default" else model_dir(which, tmp_path_factory)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [p[:24] for p in reference_prompts(3)]
+    prompts = [p if p else [6] for p in prompts]
+    sequences = float_continuations(hf, prompts, 64)
+    lens = [len(p) for p in prompts]
+    ref = top_logprobs(hf, sequences, lens)
+    got = top_logprobs(hf_twin(path, fmt).eval(), sequences, lens)
+    assert ref.numel() == 8 * 64
+    within = ((got - ref).abs() <= TOP_LOGPROB_NATS).float().mean().item()
+    assert within >= TOP_LOGPROB_SHARE, f"only {within:.3f} of tokens within bounds"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(HELD_OUT_RISE))
+def test_embedded_model_held_out_loss_rises_within_bounds(fmt):
+    text = HELD_OUT.read_text(encoding="utf-8")[:40_000]
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    context = 256
+    base = nats_per_char(hf, tokenizer, text, context)
+    quantized = nats_per_char(hf_twin(DEFAULT_MODEL, fmt).cpu().eval(), tokenizer, text,
+                              context)
+    assert quantized <= base * (1 + HELD_OUT_RISE[fmt]), (base, quantized)
