@@ -31,8 +31,14 @@ SHAPES: dict[str, dict] = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-# Shapes of no real model, for the CPU benchmarks (not in the GPU benchmarks' default sweep).
+# Shapes for the CPU benchmarks, not in the GPU benchmarks' default sweep.
 BENCH_SHAPES: dict[str, dict] = {
+    # Quantized serving's memory bar: a 3B model in int4 on a CPU.
+    "qwen2.5-3b": dict(
+        model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
+        rms_norm_eps=1e-6),
     # The CPU serving comparison's small Llama against vLLM and llama.cpp (27.7M parameters):
     # the default benchmark model's layers (bench.common.BENCH_LLAMA) with a 4,000-token vocab.
     "llama-28m": dict(

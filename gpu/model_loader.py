@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -15,8 +16,8 @@ from gpu.cpu.packed_linear import can_pack
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
-from gpu.quantization.apply import install, quantize_model
-from gpu.quantization.weights import QuantizedWeight, cat_rows
+from gpu.quantization.apply import install, leave_unallocated, log_quantized, quantize_on_read
+from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -46,23 +47,31 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     for steps of up to ``max_rows`` tokens and ``max_seqs`` decode rows
     (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by default this host's), by timing them
     unless not ``timed``."""
-    model = read_model(model_dir, cfg, backend, max_positions, dtype, device)
-    if quantization is not None:
-        quantize_model(model, quantization, group_size)
+    model = read_model(model_dir, cfg, backend, max_positions, dtype, device, quantization,
+                       group_size)
     if can_pack(device, dtype):
         prepare_for_cpu(model, max_rows, max_seqs, plan_cache, timed)
     return model
 
 
 def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
-               max_positions: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    """The model with its weights read, in plain torch layers (nothing packed or planned)."""
+               max_positions: int, dtype: torch.dtype, device: str,
+               quantization: str | None = None, group_size: int = 32) -> LlamaForCausalLM:
+    """The model with its weights read, in plain torch layers (nothing packed or planned).
+    With ``quantization``, each decoder linear's weight is quantized as it is read, so the
+    float model never exists whole in memory."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
+    weights = checkpoint_weights(model_dir)
+    if quantization is not None:
+        leave_unallocated(model)
+        weights = quantize_on_read(weights, quantization, group_size)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
-    _load_weights(model, cfg, Path(model_dir), dtype)
+    _load_weights(model, cfg, weights, dtype, str(model_dir))
+    if quantization is not None:
+        log_quantized(model, quantization, group_size)
     return model.eval()
 
 
@@ -77,12 +86,12 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
     return plans
 
 
-def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path,
-                  dtype: torch.dtype) -> None:
+def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
+                  dtype: torch.dtype, source: str) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
-    for name, value in checkpoint_weights(model_dir):
+    for name, value in weights:
         target, shard = _map_name(name)
         if target is None or target not in params:
             if not name.endswith("rotary_emb.inv_freq"):
@@ -105,7 +114,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, model_dir: Path,
         loaded.add("lm_head.weight")
     missing = set(params) - loaded
     if missing:
-        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+        raise ValueError(f"weights missing from {source}: {sorted(missing)[:5]}")
 
 
 def _install_quantized(model: LlamaForCausalLM, target: str,
@@ -119,9 +128,9 @@ def _install_quantized(model: LlamaForCausalLM, target: str,
     if sorted(shards) != list(range(expected)):
         raise ValueError(f"quantized {target} is missing shards: got {sorted(shards)}")
     weight = cat_rows([shards[i] for i in range(expected)])
-    if weight.shape != tuple(linear.weight.shape):
-        raise ValueError(f"quantized {target} is {list(weight.shape)}, the model's "
-                         f"{list(linear.weight.shape)}")
+    shape = (linear.out_features, linear.in_features)
+    if weight.shape != shape:
+        raise ValueError(f"quantized {target} is {list(weight.shape)}, the model's {list(shape)}")
     install(parent, attr, weight, linear.bias, dtype)
 
 

@@ -9,12 +9,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from gpu.checkpoints.safetensors_files import iter_safetensors
-from gpu.quantization.weights import QuantizedWeight
-
-Weight = torch.Tensor | QuantizedWeight
+from gpu.quantization.weights import Weight
 
 
 def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:

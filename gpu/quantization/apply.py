@@ -1,4 +1,4 @@
-"""Quantizing a float model's linears at load (``--quantization int8|int4``).
+"""Quantizing a float model's linears as they are read (``--quantization int8|int4``).
 
 Only the decoder layers' linears are quantized (attention's qkv and output projections, the
 MLP's gate/up and down projections), which hold nearly all of a model's weight bytes at any
@@ -10,17 +10,21 @@ output head's error lands directly on every logprob; a tied head shares the embe
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from gpu.quantization.linear import QuantLinear
-from gpu.quantization.weights import QuantizedWeight, quantize
+from gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4")
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The same linears as checkpoints name them, before q/k/v and gate/up are fused
+CHECKPOINT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
 
 
 def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -38,21 +42,31 @@ def install(parent: nn.Module, name: str, weight: QuantizedWeight,
     return layer
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
-    """Quantize the decoder layers' linears in place, one at a time, so the float copy of only
-    one weight exists beside the quantized model at any moment."""
+def leave_unallocated(model: nn.Module) -> None:
+    """Give the quantizable linears of a model still on the meta device empty weights, so that
+    allocating the model leaves them out: their quantized weights replace them as read."""
+    for parent, name in quantizable_linears(model):
+        getattr(parent, name).weight = nn.Parameter(torch.empty(0, device="meta"))
+
+
+def quantize_on_read(weights: Iterable[tuple[str, Weight]], method: str, group_size: int = 32
+                     ) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's weights with every float decoder-layer linear weight quantized as it
+    arrives (q, k and v apart: quantization is row by row, so fusing after is the same)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
-    before = after = 0
-    for parent, name in quantizable_linears(model):
-        linear = getattr(parent, name)
-        weight = quantize(linear.weight, method, group_size)
-        before += linear.weight.nbytes
-        after += weight.nbytes
-        install(parent, name, weight, linear.bias, linear.weight.dtype)
-        del linear
-    logger.info("quantized the decoder layers' linears to %s%s: %.1f MB -> %.1f MB; the "
-                "embedding and output head stay %s", method,
-                f" (groups of {group_size})" if method == "int4" else " (per output channel)",
-                before / 1e6, after / 1e6, str(model.embed_tokens.weight.dtype).removeprefix(
-                    "torch."))
+    for name, value in weights:
+        parts = name.split(".")
+        if (isinstance(value, torch.Tensor) and "layers" in parts and len(parts) >= 2
+                and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LINEARS):
+            value = quantize(value, method, group_size)
+        yield name, value
+
+
+def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    size = sum(m.weight_format.nbytes for m in layers if m.weight_format is not None)
+    how = f"groups of {group_size}" if method == "int4" else "per output channel"
+    logger.info("quantized %d decoder linears to %s (%s): %.1f MB; the embedding and output "
+                "head stay %s", len(layers), method, how, size / 1e6,
+                str(model.embed_tokens.weight.dtype).removeprefix("torch."))

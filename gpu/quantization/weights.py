@@ -79,6 +79,9 @@ class QuantizedWeight:
                                cut(self.offsets))
 
 
+Weight = torch.Tensor | QuantizedWeight  # a checkpoint's tensor, float or quantized
+
+
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one format stacked along their outputs (q, k and v into qkv)."""
     first = parts[0]
