@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpu.checkpoints.quantized import quantized_weights
 from gpu.checkpoints.safetensors_files import iter_safetensors
 from gpu.quantization.weights import Weight
 
@@ -17,8 +18,7 @@ def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's weights, by its format."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
-        raise ValueError(f"{model_dir} holds a {method!r} quantized checkpoint, which tidal "
-                         "does not read")
+    quantization = config.get("quantization_config")
+    if quantization:
+        return quantized_weights(model_dir, quantization)
     return iter_safetensors(model_dir)
