@@ -319,6 +319,8 @@ def _ct_weights(**changes: object) -> dict:
 REFUSED = {
     "gptq-3-bit": (_gptq(3, 32, True, "gptq"), "3 bits"),
     "gptq-marlin": (_gptq(4, 32, True, "marlin"), "checkpoint_format 'marlin'"),
+    "gptq-dynamic": ({**_gptq(4, 32, True, "gptq"), "dynamic": {"+:.*down": {"bits": 8}}},
+                     "dynamic"),
     "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"},
                  "version 'gemv'"),
     "awq-8-bit": ({"quant_method": "awq", "bits": 8, "group_size": 32, "version": "gemm"},
@@ -367,3 +369,35 @@ def test_compressed_tensors_group_act_order_is_refused(tmp_path):
     _checkpoint(tmp_path, _ct_weights(actorder="group"), tensors)
     with pytest.raises(ValueError, match="actorder"):
         dict(checkpoint_weights(tmp_path))
+
+
+def test_compressed_tensors_groups_are_matched_by_name_pattern_before_class(tmp_path):
+    """A down_proj in 8 bits (``re:`` target) beside 4-bit linears (``Linear`` target)."""
+    gen = torch.Generator().manual_seed(1)
+    refs = {"model.layers.0.mlp.up_proj": quantize_ref(torch.randn(16, 64, generator=gen), 4,
+                                                       32, False, torch.bfloat16),
+            "model.layers.0.mlp.down_proj": quantize_ref(torch.randn(16, 64, generator=gen),
+                                                         8, 32, True, torch.bfloat16)}
+    tensors = {f"{m}.{k}": v for m, ref in refs.items()
+               for k, v in pack_compressed(ref, ref.bits == 8).items()}
+    config = _ct_config("pack-quantized", 4, 32, False)
+    eight = _ct_config("pack-quantized", 8, 32, True)["config_groups"]["group_0"]
+    config["config_groups"]["group_1"] = {**eight, "targets": ["re:.*down_proj$"]}
+    weights = dict(checkpoint_weights(_checkpoint(tmp_path, config, tensors)))
+    for module, ref in refs.items():
+        value = weights[f"{module}.weight"]
+        assert value.bits == ref.bits
+        assert torch.equal(value.dequantize(), ref.dequantize()), module
+
+
+def test_compressed_tensors_int8_per_tensor_with_a_zero_point(tmp_path):
+    module = "model.layers.0.self_attn.o_proj"
+    q = torch.randint(-128, 128, (16, 64), dtype=torch.int8)
+    scale, zero = torch.tensor([0.03], dtype=torch.bfloat16), torch.tensor([3], dtype=torch.int8)
+    config = _ct_config("int-quantized", 8, None, False)
+    config["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    tensors = {f"{module}.weight": q, f"{module}.weight_scale": scale,
+               f"{module}.weight_zero_point": zero}
+    value = dict(checkpoint_weights(_checkpoint(tmp_path, config, tensors)))[f"{module}.weight"]
+    assert value.per_channel and value.q.dtype == torch.int8
+    assert torch.equal(value.dequantize(), (q.float() - 3) * scale.float())

@@ -167,16 +167,17 @@ def _read_int8(module: str, tensors: CheckpointTensors) -> QuantizedWeight:
     name = f"{module}.weight_zero_point"
     zeros = torch.zeros(scales.shape, dtype=torch.int32)
     if tensors.has(name):
-        zeros = tensors.get(name).to(torch.int32).reshape(out, -1).expand(scales.shape)
+        zeros = _per_row(tensors.get(name), out).to(torch.int32).expand(scales.shape)
     return affine_weight(8, weight.to(torch.int32) + 128, zeros + 128, scales)
 
 
 def _scales(module: str, tensors: CheckpointTensors, out: int) -> torch.Tensor:
-    """``weight_scale`` as ``[out, groups]``: a per-tensor scale is one group per row."""
-    scale = tensors.get(f"{module}.weight_scale")
-    if scale.numel() == 1:
-        return scale.reshape(1, 1).expand(out, 1)
-    return scale.reshape(out, -1)
+    return _per_row(tensors.get(f"{module}.weight_scale"), out)
+
+
+def _per_row(t: torch.Tensor, out: int) -> torch.Tensor:
+    """A scale or zero point as ``[out, groups]``: a per-tensor one is one group per row."""
+    return t.reshape(1, 1).expand(out, 1) if t.numel() == 1 else t.reshape(out, -1)
 
 
 def _check_no_g_idx(module: str, tensors: CheckpointTensors, inputs: int, groups: int) -> None:

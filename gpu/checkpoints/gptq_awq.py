@@ -49,6 +49,9 @@ def gptq_weights(model_dir: Path, config: dict) -> Iterator[tuple[str, Weight]]:
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not read: tidal reads "
                          f"{', '.join(GPTQ_FORMATS)} (a Marlin or BitBLAS repack is not)")
+    if config.get("dynamic"):
+        raise ValueError("GPTQ checkpoints with per-module settings (GPTQModel's dynamic) are "
+                         "not read: every linear must share the config's bits")
     zero_shift = 1 if fmt == "gptq" else 0  # v1 stores each zero minus one
     desc_act = bool(config.get("desc_act"))
 
