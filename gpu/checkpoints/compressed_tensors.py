@@ -68,8 +68,7 @@ def compressed_tensors_weights(model_dir: Path, config: dict) -> Iterator[tuple[
     if fmt == PACKED:
         return iter_quantized(model_dir, "weight_packed", PACKED_PARTS,
                               lambda module, t: _read_packed(module, t, schemes))
-    return iter_quantized(model_dir, "weight_scale", INT_PARTS,
-                          _read_int8)
+    return iter_quantized(model_dir, "weight_scale", INT_PARTS, _read_int8)
 
 
 def _schemes(config: dict) -> dict[str, Scheme]:
@@ -123,9 +122,10 @@ def _check_scheme(name: str, fmt: str | None, weights: dict) -> None:
 
 def _scheme_for(module: str, schemes: dict[str, Scheme]) -> dict:
     """The weights scheme of ``module``: that of the config group whose ``targets`` name it
-    most closely (by name, then by ``re:`` pattern, then by class, as ``Linear``)."""
+    most closely (by name, then by ``re:`` pattern, then by class, as ``Linear``); of equals,
+    the first, as vLLM does."""
     ranked = [(_target_rank(module, scheme.targets), name) for name, scheme in schemes.items()]
-    rank, name = max(ranked)
+    rank, name = max(ranked, key=lambda ranked_name: ranked_name[0])
     if rank < 0:
         raise ValueError(f"{module} is stored quantized but no config group targets it")
     return schemes[name].weights
