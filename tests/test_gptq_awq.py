@@ -7,7 +7,6 @@ into it."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,15 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from core import LLM, SamplingParams
 from gpu.checkpoints import checkpoint_weights
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight
 from gpu.random_model import build_model_dir
-from tests.device import GPU_TEST_KV_CACHE, TEST_DEVICE
+from tests.device import TEST_DEVICE
+from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NEW_TOKENS = 16
 ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {"hidden_size": 128})}  # qwen2: biases
 
 
@@ -251,37 +249,14 @@ def test_readers_give_back_exactly_the_quantized_values(built):
         assert torch.equal(weights[name], state[name].cpu()), name
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(6, 400) for _ in range(n)] for n in (1, 9, 40, 97)]
-
-
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0)
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).cpu()
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
 @pytest.mark.slow
 def test_tokens_and_logprobs_match_hf_on_the_dequantized_model(built):
-    kwargs = {"kv_cache_memory": GPU_TEST_KV_CACHE} if TEST_DEVICE != "cpu" else {}
-    llm = LLM(str(built.path), device=TEST_DEVICE, dtype="float32", **kwargs)
+    llm = fidelity_llm(str(built.path))
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 2  # qkv, o, gate_up, down in each of the two layers
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
-    prompts = _prompts()
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        ref_ids, ref_logprobs = _hf_greedy(built.hf, prompt)
-        completion = out.outputs[0]
-        assert completion.token_ids == ref_ids, f"prompt of {len(prompt)} tokens diverged"
-        for step, token_id in enumerate(ref_ids):
-            top = torch.topk(ref_logprobs[step], 3)
-            got = completion.logprobs[step]
-            assert got[token_id] == pytest.approx(ref_logprobs[step, token_id].item(), abs=1e-4)
-            for ref_id, ref_value in zip(top.indices.tolist(), top.values.tolist()):
-                assert got[ref_id] == pytest.approx(ref_value, abs=1e-4)
+    built.hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
+    built.hf.reference_cache = {}
+    check_against_hf(built.hf, llm, reference_prompts(0)[:4])
 
 
 def test_a_linear_split_across_shards_reads_the_same(tmp_path, built):
