@@ -162,6 +162,45 @@ def test_tokenizer_and_chat_template_from_metadata(tmp_path_factory):
     assert named.encode(TEXTS[1]) == hf.encode(TEXTS[1])
 
 
+def _tiny_gguf(path: Path, arch: str) -> gguf.GGUFWriter:
+    """A writer with a one-layer model's settings: for metadata-only tests."""
+    writer = gguf.GGUFWriter(path, arch)
+    add_config(writer, {"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64,
+                        "num_hidden_layers": 1, "max_position_embeddings": 64,
+                        "intermediate_size": 128, "rms_norm_eps": 1e-6})
+    return writer
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_sentencepiece_tokenizer_from_metadata(tmp_path):
+    """A Llama 2 / Mistral style vocabulary (``llama``: scores, byte fallback, BOS added)."""
+    pieces = ["▁", "▁H", "ello", "▁world", "e", "l", "o", "H", "w", "r", "d"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    writer = _tiny_gguf(tmp_path / "sp.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    _finish(writer)
+    tok = load_tokenizer(EngineConfig(model=str(tmp_path / "sp.gguf")))
+    for text in ("Hello world", "héllo wörld"):  # é and ö by byte fallback
+        ids = tok.encode(text)
+        assert ids[0] == 1 and tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "[INST] hi [/INST]"
+
+
 def test_unsupported_type_names_the_tensor(tmp_path_factory, tmp_path):
     model_dir, _, _ = _model("llama", tmp_path_factory)
     path = tmp_path / "q5.gguf"
@@ -172,15 +211,7 @@ def test_unsupported_type_names_the_tensor(tmp_path_factory, tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(path, "gemma")
-    add_config(writer, {"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64,
-                        "num_hidden_layers": 1, "max_position_embeddings": 64,
-                        "intermediate_size": 128, "rms_norm_eps": 1e-6})
-    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(_tiny_gguf(path, "gemma"))
     with pytest.raises(ValueError, match="architecture 'gemma'"):
         ModelConfig.load(path)
     with pytest.raises(ValueError, match="directory with a config.json or a .gguf file"):
@@ -188,8 +219,9 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_server_serves_a_gguf_file(tmp_path_factory):
+def test_server_serves_a_gguf_file(tmp_path_factory, monkeypatch):
     _, path, _ = _model("llama", tmp_path_factory)
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "off")  # the GGUF path end to end, no C++ build
     with running_server(path) as server:
         models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == [str(path)]

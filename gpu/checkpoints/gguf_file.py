@@ -71,8 +71,15 @@ def hf_name(name: str) -> str | None:
 
 
 def gguf_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """The file's weights as ``(Hugging Face name, float tensor or QuantizedWeight)``."""
-    reader = open_reader(str(path))
+    """The file's weights as ``(Hugging Face name, float tensor or QuantizedWeight)``. The
+    reader is dropped once they are read, so the file's pages leave the process with it."""
+    try:
+        yield from _read_weights(open_reader(str(path)))
+    finally:
+        open_reader.cache_clear()
+
+
+def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
     meta = Metadata(reader)
     permuted = ARCHITECTURES[meta.arch][1]
     heads = {"attn_q": meta.int("attention.head_count"),
