@@ -65,12 +65,14 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
                quantization: str | None = None, group_size: int = 32) -> LlamaForCausalLM:
     """The model with its weights read, in plain torch layers (nothing packed or planned).
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
-    float model never exists whole in memory."""
+    float model never exists whole in memory; nor does it where the checkpoint's linears are
+    all quantized already (a GGUF's)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
+    if quantization is not None:
         weights = quantize_on_read(weights, quantization, group_size)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core import LLM, SamplingParams
 from core.config import EngineConfig, load_tokenizer
-from gpu.checkpoints import checkpoint_weights
+from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
 from gpu.checkpoints.gguf_blocks import to_weight
 from gpu.checkpoints.gguf_file import unpermute_rows
 from gpu.model_config import ModelConfig
@@ -118,6 +118,13 @@ def test_weights_stay_quantized(tmp_path_factory):
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(q, QuantizedWeight) and q.bits == 4 and q.q.dtype == torch.uint8
     assert isinstance(weights["model.layers.0.input_layernorm.weight"], torch.Tensor)
+
+
+def test_float_linears_are_never_allocated(model):
+    """Every decoder linear of these files is quantized: the model leaves out their float
+    weights (biases stay floats and do not count)."""
+    assert linears_arrive_quantized(model[1])
+    assert not linears_arrive_quantized(model[0])
 
 
 def test_config_from_metadata_matches_the_directory(model):

@@ -101,7 +101,8 @@ def all_linears_quantized(path: str | Path) -> bool:
     """Whether every decoder-layer linear of the file (``blk.N.attn_q.weight`` ...) is of a
     quantized type, by the tensor index alone (no data is read)."""
     linears = [t for t in open_reader(str(path)).tensors
-               if t.name.startswith("blk.") and t.name.split(".")[2] in LINEAR_PARTS]
+               if t.name.startswith("blk.") and t.name.endswith(".weight")
+               and t.name.split(".")[2] in LINEAR_PARTS]
     return bool(linears) and all(t.tensor_type in QUANTIZED_TYPES for t in linears)
 
 
