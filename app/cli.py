@@ -104,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = serve.add_argument_group("model")
     model.add_argument("--model", default=None,
-                       help="Hugging Face model directory to serve (default: the embedded "
-                       f"model, served as '{DEFAULT_MODEL_NAME}')")
+                       help="Hugging Face model directory or GGUF file to serve (default: the "
+                       f"embedded model, served as '{DEFAULT_MODEL_NAME}')")
+    model.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="tokenizer directory to use instead of the model's (a GGUF's is "
+                       "built from its metadata)")
     model.add_argument("--served-model-name", default=None,
                        help="model id that /v1/models lists and requests must name "
                        "(default: the --model value as given)")
@@ -199,7 +202,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig(
-            model=args.model or _default_model(), dtype=args.dtype, device=args.device,
+            model=args.model or _default_model(), tokenizer=args.tokenizer, dtype=args.dtype,
+            device=args.device,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -238,6 +242,8 @@ def base_url(settings: ServerSettings) -> str:
 def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
     """What the server will do, once the engine is up: the model, device, dtype, context,
     KV-cache capacity, batching, the kernels in use and the URLs."""
+    from core.config import is_gguf_file
+
     core = engine.core
     config, runner = core.config, core.runner
     arch = runner.model_config
@@ -250,6 +256,8 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
         dtype += ", decoder weights int8"
     elif config.quantization == "int4":
         dtype += f", decoder weights int4 (groups of {config.quantization_group_size})"
+    elif is_gguf_file(config.model):
+        dtype += ", decoder weights kept as the GGUF file quantizes them"
     lines = [
         f"tidal {package_version()} serving {settings.served_model_name}{listen}",
         f"  model     {config.model} ({arch.architecture}, {arch.num_layers} layers, "

@@ -106,7 +106,7 @@ def _floor(model: str, prompts: list[list[int]], args: argparse.Namespace, ours:
            hf: dict) -> dict:
     """The run's work at the rates torch reaches on this host (``bench/offline_floor.py``)."""
     dtype_size = getattr(torch, args.dtype).itemsize
-    work = OfflineWork.of(ModelConfig.from_dir(model), [len(p) for p in prompts],
+    work = OfflineWork.of(ModelConfig.load(model), [len(p) for p in prompts],
                           args.output_len, dtype_size)
     rates = in_fresh_process(HostRates.measure, args.device, args.dtype)
     return floor_report(work, rates, ours["seconds"], hf["seconds"])

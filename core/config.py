@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Tokens per step when none is given. A CPU step costs about the same per token from a few
@@ -28,7 +29,8 @@ DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 @dataclass
 class EngineConfig:
-    model: str  # a Hugging Face model directory
+    model: str  # a Hugging Face model directory, or a GGUF file
+    tokenizer: str | None = None  # a tokenizer directory; None: the model's (a GGUF's metadata)
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16", ...
     device: str = "cpu"  # "cpu" or "cuda"
     max_num_seqs: int = 64
@@ -52,9 +54,11 @@ class EngineConfig:
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 
     def __post_init__(self) -> None:
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
-                             f"{self.model!r} has none")
+        if not (is_gguf_file(self.model) or (Path(self.model) / "config.json").is_file()):
+            raise ValueError(f"model must be a Hugging Face model directory with a config.json "
+                             f"or a .gguf file; {self.model!r} is neither")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"tokenizer must be a directory; {self.tokenizer!r} is none")
         if self.async_scheduling is None:
             self.async_scheduling = self.device != "cpu"
         if self.max_num_batched_tokens is None:
@@ -86,3 +90,22 @@ class EngineConfig:
             return DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS
         return (DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS if self.offline
                 else DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS)
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (llama.cpp's format), served as a model of its own."""
+    return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The tokenizer ``--tokenizer`` names, else the model's: a directory's files, or the one
+    transformers builds from a GGUF file's metadata (vocabulary, merges or scores, special
+    tokens and chat template)."""
+    from transformers import AutoTokenizer
+
+    if config.tokenizer is not None:
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    if is_gguf_file(config.model):
+        path = Path(config.model).resolve()
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(config.model)

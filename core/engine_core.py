@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer
-
-from core.config import EngineConfig
+from core.config import EngineConfig, load_tokenizer
 from core.kv_cache_manager import KVCacheManager
 from core.output_processor import OutputProcessor, ParentRequest
 from core.outputs import RequestOutput
@@ -52,7 +50,7 @@ class EngineCore:
         from gpu.worker import create_model_runner  # the one door into device code
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config)
         self.runner = create_model_runner(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

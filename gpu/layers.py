@@ -102,7 +102,10 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind == "freq_factors":  # a divisor per frequency, as GGUF's rope_freqs tensor holds
+        return inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, "
+                     "freq_factors")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

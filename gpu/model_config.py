@@ -1,4 +1,5 @@
-"""The architecture facts our model code needs, read from a HF ``config.json``."""
+"""The architecture facts our model code needs, read from a HF ``config.json`` or a GGUF
+file's metadata."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
+    def load(cls, model: str | Path) -> ModelConfig:
+        """The config of a Hugging Face model directory or of a GGUF file."""
+        from core.config import is_gguf_file
+
+        return cls.from_gguf(model) if is_gguf_file(model) else cls.from_dir(model)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
@@ -42,6 +50,19 @@ class ModelConfig:
             raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
                              f"{path} does not exist")
         raw = json.loads(path.read_text())
+        return cls.from_hf_dict(raw, _eos_ids(model_dir, raw))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ModelConfig:
+        """From a GGUF file's metadata, put as a ``config.json`` would put it."""
+        from gpu.checkpoints.gguf_file import hf_config
+
+        raw = hf_config(path)
+        return cls.from_hf_dict(raw, raw["eos_token_id"])
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, eos_token_ids: list[int]) -> ModelConfig:
+        """From a ``config.json``'s contents."""
         arch = (raw.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: "
@@ -65,7 +86,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
             qk_norm=qk_norm,
-            eos_token_ids=_eos_ids(model_dir, raw),
+            eos_token_ids=list(eos_token_ids),
         )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:

@@ -9,14 +9,20 @@ from pathlib import Path
 import torch
 
 from gpu.attention import AttentionBackend
-from gpu.checkpoints import checkpoint_weights
+from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
 from gpu.cpu.decode_stack import build_decode_stack
 from gpu.cpu.op_plans import ModelPlans, log_plans, plan_model, stack_rows
 from gpu.cpu.packed_linear import can_pack
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.models.llama import LlamaForCausalLM
-from gpu.quantization.apply import install, leave_unallocated, log_quantized, quantize_on_read
+from gpu.quantization.apply import (
+    QUANTIZED_LINEARS,
+    install,
+    leave_unallocated,
+    log_quantized,
+    quantize_on_read,
+)
 from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 
 logger = logging.getLogger(__name__)
@@ -59,12 +65,14 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
                quantization: str | None = None, group_size: int = 32) -> LlamaForCausalLM:
     """The model with its weights read, in plain torch layers (nothing packed or planned).
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
-    float model never exists whole in memory."""
+    float model never exists whole in memory; nor does it where the checkpoint's linears are
+    all quantized already (a GGUF's)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
-    if quantization is not None:
+    if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
+    if quantization is not None:
         weights = quantize_on_read(weights, quantization, group_size)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
@@ -98,9 +106,11 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[t
                 logger.debug("skipping weight %s", name)
             continue
         if isinstance(value, QuantizedWeight):
-            quantized.setdefault(target, {})[0 if shard is None else shard] = value
-            loaded.add(target)
-            continue
+            if _takes_quantized(target):
+                quantized.setdefault(target, {})[0 if shard is None else shard] = value
+                loaded.add(target)
+                continue
+            value = value.dequantize()  # the embedding or output head: kept in the dtype
         param = params[target]
         with torch.no_grad():
             if shard is None:
@@ -115,6 +125,12 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[t
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"weights missing from {source}: {sorted(missing)[:5]}")
+
+
+def _takes_quantized(target: str) -> bool:
+    """Whether ``target`` is a decoder-layer linear's weight, which stays quantized."""
+    parts = target.split(".")
+    return len(parts) > 2 and parts[-2] in QUANTIZED_LINEARS and parts[-1] == "weight"
 
 
 def _install_quantized(model: LlamaForCausalLM, target: str,

@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_model_runner(config: EngineConfig) -> ModelRunner:
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = ModelConfig.load(config.model)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",

@@ -9,16 +9,26 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.config import is_gguf_file
+from gpu.checkpoints.gguf_file import all_linears_quantized, gguf_weights
 from gpu.checkpoints.quantized import quantized_weights
 from gpu.checkpoints.safetensors_files import iter_safetensors
 from gpu.quantization.weights import Weight
 
 
 def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:
-    """The checkpoint's weights, by its format."""
+    """The checkpoint's weights, by its format: a GGUF file, or a Hugging Face directory."""
+    if is_gguf_file(model_dir):
+        return gguf_weights(model_dir)
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     quantization = config.get("quantization_config")
     if quantization:
         return quantized_weights(model_dir, quantization)
     return iter_safetensors(model_dir)
+
+
+def linears_arrive_quantized(model_dir: str | Path) -> bool:
+    """Whether every decoder-layer linear weight of the checkpoint is read quantized, so the
+    model need not allocate float ones (a 3B model's would take 12 GB in float32)."""
+    return is_gguf_file(model_dir) and all_linears_quantized(model_dir)

@@ -14,6 +14,7 @@ repack it (two 4-bit values to a byte) as they need.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,15 +84,36 @@ Weight = torch.Tensor | QuantizedWeight  # a checkpoint's tensor, float or quant
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Weights of one format stacked along their outputs (q, k and v into qkv)."""
+    """Weights stacked along their outputs (q, k and v into qkv). Parts in different formats
+    (a GGUF's Q4_K queries beside its Q6_K values) are first put in the one format that holds
+    each exactly (``common_format``)."""
+    parts = common_format(parts)
     first = parts[0]
-    if any((p.bits, p.group_size, p.offsets is None)
-           != (first.bits, first.group_size, first.offsets is None) for p in parts):
-        raise ValueError("cannot fuse weights quantized in different formats")
     offsets = (None if first.offsets is None
                else torch.cat([p.offsets for p in parts]))
     return QuantizedWeight(first.bits, first.group_size, torch.cat([p.q for p in parts]),
                            torch.cat([p.scales for p in parts]), offsets)
+
+
+def common_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """``parts`` in one format, losslessly: the most bits (4-bit values fit int8), the
+    greatest group size dividing every part's (a group's scale repeated over its sub-groups)
+    and offsets if any part has them (zeros for the others)."""
+    bits = max(p.bits for p in parts)
+    group = math.gcd(*(p.group_size for p in parts))
+    offsets = any(p.offsets is not None for p in parts)
+    return [_in_format(p, bits, group, offsets) for p in parts]
+
+
+def _in_format(w: QuantizedWeight, bits: int, group: int, offsets: bool) -> QuantizedWeight:
+    if (w.bits, w.group_size, w.offsets is not None) == (bits, group, offsets):
+        return w
+    q = w.q.to(torch.int8) if bits != w.bits else w.q
+    repeat = w.group_size // group
+    scales = w.scales.repeat_interleave(repeat, dim=1)
+    shift = (torch.zeros_like(w.scales) if w.offsets is None else w.offsets) if offsets else None
+    return QuantizedWeight(bits, group, q, scales,
+                           None if shift is None else shift.repeat_interleave(repeat, dim=1))
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:

@@ -1,0 +1,189 @@
+"""A GGUF file (llama.cpp's format) as a model: its weights by Hugging Face name, kept
+quantized (``gguf_blocks.py``), and its metadata as a Hugging Face ``config.json`` would say it.
+
+The file is read with the ``gguf`` package's ``GGUFReader``, which memory-maps it: a tensor's
+bytes are read once, when it is unpacked, and the pages stay the page cache's, not the process's.
+
+llama.cpp's converter permutes the rows of the query and key projections of Llama-architecture
+models (Llama, Mistral) so that rotary pairs sit next to each other (its "normal" rotary); our
+model, like Hugging Face's, rotates the two halves of each head ("neox"). The reader undoes that
+permutation on the rows' raw bytes, before unpacking, which is valid for quantized rows since
+every block lies within one row. Qwen2 and Qwen3 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+
+from gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, to_weight
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (the HF architecture, Q/K rows permuted by the converter)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),  # Mistral's GGUFs say llama too
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+NOT_WEIGHTS = ("rope_freqs.weight",)  # read into the config (``hf_config``)
+
+
+@lru_cache(maxsize=2)
+def open_reader(path: str) -> GGUFReader:
+    """The file's reader, parsed once per process (the config, the weights and the tokenizer
+    all ask; parsing a 150,000-token vocabulary's metadata takes a while)."""
+    return GGUFReader(path)
+
+
+def hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a
+    tensor no model weight comes from."""
+    base, _, kind = name.rpartition(".")
+    if base in _GLOBAL_NAMES and kind == "weight":
+        return f"{_GLOBAL_NAMES[base]}.weight"
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def gguf_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """The file's weights as ``(Hugging Face name, float tensor or QuantizedWeight)``. The
+    reader is dropped once they are read, so the file's pages leave the process with it."""
+    try:
+        yield from _read_weights(open_reader(str(path)))
+    finally:
+        open_reader.cache_clear()
+
+
+def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
+    meta = Metadata(reader)
+    permuted = ARCHITECTURES[meta.arch][1]
+    heads = {"attn_q": meta.int("attention.head_count"),
+             "attn_k": meta.int("attention.head_count_kv", meta.int("attention.head_count"))}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            if tensor.name not in NOT_WEIGHTS:
+                logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        data = tensor.data
+        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if permuted and part in heads:
+            data = data[unpermute_rows(data.shape[0], heads[part])]
+        yield name, to_weight(tensor.name, tensor.tensor_type, data)
+
+
+def all_linears_quantized(path: str | Path) -> bool:
+    """Whether every decoder-layer linear of the file (``blk.N.attn_q.weight`` ...) is of a
+    quantized type, by the tensor index alone (no data is read)."""
+    linears = [t for t in open_reader(str(path)).tensors
+               if t.name.startswith("blk.") and t.name.endswith(".weight")
+               and t.name.split(".")[2] in LINEAR_PARTS]
+    return bool(linears) and all(t.tensor_type in QUANTIZED_TYPES for t in linears)
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's ``permute`` of a Q or K projection of ``heads``
+    heads: the converter's row ``h*d + 2i + j`` is Hugging Face's ``h*d + j*d/2 + i``."""
+    order = np.arange(rows).reshape(heads, rows // heads // 2, 2)
+    return order.transpose(0, 2, 1).reshape(-1)
+
+
+class Metadata:
+    """The file's key-value metadata, by key with the ``{arch}.`` prefix implied."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self.reader = reader
+        self.arch = str(self.get("general.architecture", None, prefixed=False))
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {self.arch!r} is not one tidal serves "
+                             f"(it serves {', '.join(ARCHITECTURES)})")
+
+    def get(self, key: str, default: Any = None, prefixed: bool = True) -> Any:
+        field = self.reader.get_field(f"{self.arch}.{key}" if prefixed else key)
+        return default if field is None else field.contents()
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, default)
+        if isinstance(value, list):  # per-layer values (some models): tidal needs one
+            if len(set(value)) != 1:
+                raise ValueError(f"GGUF {self.arch}.{key} differs between layers: {value}")
+            value = value[0]
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {self.arch}.{key}")
+        return int(value)
+
+    def float(self, key: str, default: float) -> float:
+        """A float32 setting as the decimal it was written from (``1e-06``, not
+        ``9.99999997e-07``): the shortest one that gives the same float32."""
+        return float(str(np.float32(self.get(key, default))))
+
+    def tensor(self, name: str) -> Any:
+        return next((t for t in self.reader.tensors if t.name == name), None)
+
+
+def hf_config(path: str | Path) -> dict[str, Any]:
+    """What a Hugging Face ``config.json`` of this model would hold, from the metadata."""
+    meta = Metadata(open_reader(str(path)))
+    heads = meta.int("attention.head_count")
+    hidden = meta.int("embedding_length")
+    embed = meta.tensor("token_embd.weight")
+    vocab = (int(embed.shape[-1]) if embed is not None
+             else len(meta.get("tokenizer.ggml.tokens", [], prefixed=False)))
+    return {
+        "architectures": [ARCHITECTURES[meta.arch][0]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": meta.int("feed_forward_length"),
+        "num_hidden_layers": meta.int("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.int("attention.head_count_kv", heads),
+        "head_dim": meta.int("attention.key_length", hidden // heads),
+        "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": meta.int("context_length", 2048),
+        "rope_theta": meta.float("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta),
+        "tie_word_embeddings": meta.tensor("output.weight") is None,
+        "eos_token_id": [int(v) for key in ("eos_token_id", "eot_token_id")
+                         if (v := meta.get(f"tokenizer.ggml.{key}", prefixed=False))
+                         is not None],
+    }
+
+
+def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
+    """Linear scaling from the metadata; Llama 3's frequency factors, which the converter
+    writes as the ``rope_freqs`` tensor instead of settings."""
+    freqs = meta.tensor("rope_freqs.weight")
+    if freqs is not None:
+        return {"rope_type": "freq_factors",
+                "factors": np.asarray(freqs.data, dtype=np.float32).tolist()}
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not one tidal reads (it reads linear)")
+    return {"rope_type": "linear", "factor": meta.float("rope.scaling.factor", 1.0)}

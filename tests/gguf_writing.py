@@ -1,0 +1,155 @@
+"""GGUF files written in the tests, as llama.cpp's converter writes them: a random Hugging Face
+model directory's metadata, byte-level BPE tokenizer and weights, quantized with the ``gguf``
+package's reference quantizers (Q8_0, Q4_0, BF16) or, for the K types it only dequantizes, with
+the packers below (blocks laid out as ggml's ``block_q4_K`` / ``block_q6_K``), and the query and
+key rows of Llama models permuted as the converter permutes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file
+from transformers import AutoTokenizer
+
+# Hugging Face layer weight names -> GGUF's
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute`` (on any row layout: floats or blocks)."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
+    """``w`` [rows, k] in ``qtype``'s blocks, [rows, bytes a row] (F32/F16: the floats)."""
+    if qtype == T.Q4_K:
+        return pack_q4_k(w)
+    if qtype == T.Q6_K:
+        return pack_q6_k(w)
+    return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
+def _f16_bytes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` [blocks] as float16 (its bytes [blocks, 2]) and back as float32."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
+
+
+def pack_q4_k(w: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: 8 sub-blocks of 32, ``w = d*sc*q - dmin*m``, 6-bit sc and m."""
+    rows = w.shape[0]
+    x = w.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    sub_scale, sub_min = (hi - lo) / 15, -lo
+    d_bytes, d = _f16_bytes(sub_scale.max(-1) / 63)
+    m_bytes, dmin = _f16_bytes(sub_min.max(-1) / 63)
+    sc = np.clip(np.round(sub_scale / np.where(d == 0, 1, d)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(sub_min / np.where(dmin == 0, 1, dmin)[:, None]), 0, 63).astype(np.uint8)
+    scale = d[:, None] * sc
+    q = np.round((x + (dmin[:, None] * m)[..., None]) / np.where(scale == 0, 1, scale)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = np.concatenate([
+        (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+        (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1).astype(np.uint8)
+    return np.concatenate([d_bytes, m_bytes, scales, qs], axis=1).reshape(rows, -1)
+
+
+def pack_q6_k(w: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: 16 sub-blocks of 16, ``w = d*sc*(q - 32)``, 6-bit q, int8 sc."""
+    rows = w.shape[0]
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    sub_scale = np.abs(x).max(-1) / 31
+    d_bytes, d = _f16_bytes(sub_scale.max(-1) / 127)
+    sc = np.clip(np.round(sub_scale / np.where(d == 0, 1, d)[:, None]), -128, 127)
+    scale = d[:, None] * sc
+    q = np.round(x / np.where(scale == 0, 1, scale)[..., None])
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+    low, high = q & 0x0F, q >> 4
+    ql = (low[:, :, :64] | (low[:, :, 64:] << 4)).reshape(-1, 128)
+    high = high.reshape(-1, 2, 4, 32)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4)
+          | (high[:, :, 3] << 6)).reshape(-1, 64)
+    scales = sc.astype(np.int8).view(np.uint8)
+    return np.concatenate([ql, qh, scales, d_bytes], axis=1).reshape(rows, -1)
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
+    """The HF directory's byte-level BPE tokenizer as llama.cpp writes a ``gpt2`` one."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = json.loads((model_dir / "tokenizer.json").read_text())["model"]["merges"]
+    special = set(tok.all_special_ids) | {vocab[t] for t in tok.get_added_vocab()
+                                          if t.startswith("<|")}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_chat_template(tok.chat_template)
+
+
+def add_config(writer: gguf.GGUFWriter, config: dict) -> None:
+    heads = config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+
+
+def write_gguf(model_dir: Path, out: Path, arch: str,
+               types: dict[str, T]) -> dict[str, np.ndarray]:
+    """Write ``model_dir`` as ``out``; ``types`` maps GGUF tensor names to their type (F32 for
+    the rest). Returns the Hugging Face weights as the file holds them, dequantized by
+    ``gguf.quants.dequantize`` (the reference): the float twin's weights."""
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(out, arch)
+    add_config(writer, config)
+    add_tokenizer(writer, model_dir)
+    twin: dict[str, np.ndarray] = {}
+    for hf, w in load_file(model_dir / "model.safetensors").items():
+        name = gguf_name(hf)
+        qtype = types.get(name, T.F32)
+        packed = quantize(w, qtype) if w.ndim == 2 else w.astype(np.float32)
+        twin[hf] = gguf.quants.dequantize(packed, qtype).reshape(w.shape)
+        heads = {"attn_q": config["num_attention_heads"],
+                 "attn_k": config["num_key_value_heads"]}.get(name.split(".")[-2])
+        if arch == "llama" and heads is not None:
+            packed = llama_cpp_permute(packed, heads)
+        writer.add_tensor(name, packed, raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return twin
