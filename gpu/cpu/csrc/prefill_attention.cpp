@@ -27,7 +27,10 @@
 //
 // Shapes as in paged.h; query_start_loc [requests + 1] int32 (request r's rows are
 // query[query_start_loc[r]:query_start_loc[r + 1]]); requests [n] int64, the requests to
-// attend. float32 only: other dtypes keep torch's path.
+// attend. float32 queries only: other dtypes keep torch's path. The cache is float32 or int8
+// with its scales (gpu/attention/kv_quant.py): a tile's scores are then multiplied by its keys'
+// scales, one per key, and its softmax weights by its values' scales before they weight the
+// values, the int8 elements widened as they are broadcast.
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
@@ -38,6 +41,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,8 +83,10 @@ Chunk request_chunk(const int32_t* qsl, const int32_t* lens, int64_t r, int64_t 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                  const torch::Tensor& query_start_loc, const torch::Tensor& requests) {
-  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens);
+                  const torch::Tensor& query_start_loc, const torch::Tensor& requests,
+                  const tidal::OptionalTensor& k_scale, const tidal::OptionalTensor& v_scale) {
+  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens,
+                                      k_scale, v_scale);
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "prefill_attention: float32 expected");
   TORCH_CHECK(query_start_loc.device().is_cpu() && requests.device().is_cpu(),
               "CPU tensors expected");
@@ -107,32 +113,32 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
 
 // Scores of the item's kRows rows against the kKeys keys at `offsets` (lane k of s[j]: row k,
 // key j).
-template <int DIM>
-void tile_scores(const float* qt, const float* keys, const int64_t* offsets, V s[kKeys]) {
+template <int DIM, typename cache_t>
+void tile_scores(const float* qt, const cache_t* keys, const int64_t* offsets, V s[kKeys]) {
   for (int64_t j = 0; j < kKeys; ++j) s[j] = V{};
   for (int d0 = 0; d0 < DIM; d0 += kQueryStep) {
     V q[kQueryStep];
     for (int dd = 0; dd < kQueryStep; ++dd) q[dd] = tidal::load<V>(qt + (d0 + dd) * kRows);
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kKeys; ++j) {
-      const float* k = keys + offsets[j] + d0;
-      for (int dd = 0; dd < kQueryStep; ++dd) s[j] += q[dd] * k[dd];
+      const cache_t* k = keys + offsets[j] + d0;
+      for (int dd = 0; dd < kQueryStep; ++dd) s[j] += q[dd] * static_cast<float>(k[dd]);
     }
   }
 }
 
 // ot (the output so far, transposed) scaled by alpha, plus the first n values at `offsets`
 // weighted by p.
-template <int DIM>
-void tile_values(float* ot, V alpha, const V p[kKeys], const float* values,
+template <int DIM, typename cache_t>
+void tile_values(float* ot, V alpha, const V p[kKeys], const cache_t* values,
                  const int64_t* offsets, int64_t n) {
   for (int d0 = 0; d0 < DIM; d0 += kDimStep) {
     V acc[kDimStep];
     for (int dd = 0; dd < kDimStep; ++dd)
       acc[dd] = tidal::load<V>(ot + (d0 + dd) * kRows) * alpha;
     const auto add = [&](int64_t j) {
-      const float* v = values + offsets[j] + d0;
-      for (int dd = 0; dd < kDimStep; ++dd) acc[dd] += p[j] * v[dd];
+      const cache_t* v = values + offsets[j] + d0;
+      for (int dd = 0; dd < kDimStep; ++dd) acc[dd] += p[j] * static_cast<float>(v[dd]);
     };
     if (n == kKeys) {
 #pragma GCC unroll 16
@@ -144,12 +150,21 @@ void tile_values(float* ot, V alpha, const V p[kKeys], const float* values,
   }
 }
 
+// An int8 cache's scales for one KV head: position p's key scale is k[at[p]] and its value
+// scale v[at[p]]. Unused (null) for a float32 cache.
+struct Scales {
+  const float* k;
+  const float* v;
+  const int64_t* at;
+};
+
 // One item over its context: qt [DIM][kRows] (scaled queries), positions[k] the position of
 // row k, in increasing order; leaves the unnormalised output in ot [DIM][kRows] and returns
 // the softmax sums.
-template <int DIM>
-V attend_rows(const float* qt, V positions, const float* keys, const float* values,
-              const int64_t* offsets, float* ot) {
+template <int DIM, typename cache_t>
+V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* values,
+              const int64_t* offsets, Scales scales, float* ot) {
+  constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   const V minus_inf = tidal::splat<V>(kMinusInf);
   std::fill(ot, ot + DIM * kRows, 0.f);
   V running_max = minus_inf, sums{};
@@ -158,6 +173,8 @@ V attend_rows(const float* qt, V positions, const float* keys, const float* valu
   for (int64_t k0 = 0; k0 < end; k0 += kKeys) {
     V s[kKeys], p[kKeys];
     tile_scores<DIM>(qt, keys, offsets + k0, s);
+    if constexpr (kScaled)
+      for (int64_t j = 0; j < kKeys; ++j) s[j] *= scales.k[scales.at[k0 + j]];
     if (k0 + kKeys - 1 > first_position) {  // the tile crosses the diagonal: mask the future
       for (int64_t j = 0; j < kKeys; ++j)
         s[j] = positions < static_cast<float>(k0 + j) ? minus_inf : s[j];
@@ -176,17 +193,21 @@ V attend_rows(const float* qt, V positions, const float* keys, const float* valu
     }
     sums = sums * alpha + tile_sum;
     running_max = new_max;
+    if constexpr (kScaled)
+      for (int64_t j = 0; j < n; ++j) p[j] *= scales.v[scales.at[k0 + j]];
     tile_values<DIM>(ot, alpha, p, values, offsets + k0, n);
   }
   return sums;
 }
 
-template <int DIM>
+template <int DIM, typename cache_t>
 void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                     const torch::Tensor& query_start_loc, const torch::Tensor& requests,
-                    float scale) {
+                    float scale, const tidal::OptionalTensor& k_scale,
+                    const tidal::OptionalTensor& v_scale) {
+  constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   const int64_t heads = query.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -200,13 +221,15 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
       for (int64_t first = 0; first < rows; first += kRows) items.push_back({req[i], h, first});
   }
   const float* q = query.data_ptr<float>();
-  const float* keys = key_cache.data_ptr<float>();
-  const float* values = value_cache.data_ptr<float>();
+  const cache_t* keys = key_cache.data_ptr<cache_t>();
+  const cache_t* values = value_cache.data_ptr<cache_t>();
+  const float* key_scales = kScaled ? k_scale->data_ptr<float>() : nullptr;
+  const float* value_scales = kScaled ? v_scale->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
 
   tidal::parallel_items(static_cast<int64_t>(items.size()), [&](tidal::ItemSource& source) {
     std::vector<float> qt(DIM * kRows), ot(DIM * kRows);
-    std::vector<int64_t> offsets, token(kRows), head(kRows);
+    std::vector<int64_t> offsets, at_scales, token(kRows), head(kRows);
     int64_t offsets_of = -1;  // the request `offsets` was made for
     for (int64_t i; (i = source.next()) >= 0;) {
       const Item& item = items[i];
@@ -226,11 +249,15 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
         tidal::context_offsets(table + item.request * block_table.stride(0), c.len,
                                key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
                                offsets);
+        if (kScaled) tidal::scale_offsets(offsets, DIM, at_scales);
         offsets_of = item.request;
       }
       const int64_t kv_offset = item.kv_head * DIM;
+      const Scales scales = kScaled ? Scales{key_scales + item.kv_head,
+                                             value_scales + item.kv_head, at_scales.data()}
+                                    : Scales{nullptr, nullptr, nullptr};
       const V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
-                                      values + kv_offset, offsets.data(), ot.data());
+                                      values + kv_offset, offsets.data(), scales, ot.data());
       for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not one per row
         tidal::store(ot.data() + d * kRows, tidal::load<V>(ot.data() + d * kRows) / sums);
       for (int64_t k = 0; k < rows; ++k) {
@@ -241,25 +268,33 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
   });
 }
 
+// prefill_kernel for the query's head_dim.
+template <typename cache_t, typename... Args>
+void dispatch_dim(torch::Tensor& out, const torch::Tensor& query, Args&&... args) {
+  switch (query.size(2)) {
+    case 32: return prefill_kernel<32, cache_t>(out, query, args...);
+    case 64: return prefill_kernel<64, cache_t>(out, query, args...);
+    case 80: return prefill_kernel<80, cache_t>(out, query, args...);
+    case 96: return prefill_kernel<96, cache_t>(out, query, args...);
+    case 128: return prefill_kernel<128, cache_t>(out, query, args...);
+    case 256: return prefill_kernel<256, cache_t>(out, query, args...);
+    default: TORCH_CHECK(false, "prefill_attention: head_dim ", query.size(2), " unsupported");
+  }
+}
+
 }  // namespace
 
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor block_table,
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                       torch::Tensor requests, double scale) {
+                       torch::Tensor requests, double scale,
+                       c10::optional<torch::Tensor> k_scale,
+                       c10::optional<torch::Tensor> v_scale) {
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-               requests);
-  const auto run = [&](auto kernel) {
-    kernel(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
-           static_cast<float>(scale));
-  };
-  switch (query.size(2)) {
-    case 32: return run(prefill_kernel<32>);
-    case 64: return run(prefill_kernel<64>);
-    case 80: return run(prefill_kernel<80>);
-    case 96: return run(prefill_kernel<96>);
-    case 128: return run(prefill_kernel<128>);
-    case 256: return run(prefill_kernel<256>);
-    default: TORCH_CHECK(false, "prefill_attention: head_dim ", query.size(2), " unsupported");
-  }
+               requests, k_scale, v_scale);
+  if (key_cache.scalar_type() == torch::kInt8) return dispatch_dim<int8_t>(
+      out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
+      static_cast<float>(scale), k_scale, v_scale);
+  dispatch_dim<float>(out, query, key_cache, value_cache, block_table, seq_lens,
+                      query_start_loc, requests, static_cast<float>(scale), k_scale, v_scale);
 }

@@ -29,6 +29,7 @@ struct Vectors {
   typedef uint32_t u __attribute__((vector_size(4 * N)));
   typedef uint16_t u16_any __attribute__((vector_size(2 * N), aligned(2), may_alias));
   typedef uint32_t u32_any __attribute__((vector_size(4 * N), aligned(2), may_alias));
+  typedef int8_t i8_any __attribute__((vector_size(N), aligned(1), may_alias));
 };
 static_assert(alignof(Vectors<8>::f) == 4 && alignof(Vectors<16>::f) == 4 &&
                   alignof(Vectors<16>::u16_any) == 2 && alignof(Vectors<16>::u32_any) == 2,
@@ -119,6 +120,11 @@ TIDAL_INLINE void store_pairs(c10::BFloat16* p, V even, V odd) {
   const auto low = reinterpret_cast<typename W::u>(round_to_bf16(even)) >> 16;
   const auto high = reinterpret_cast<typename W::u>(round_to_bf16(odd));
   *reinterpret_cast<typename W::u32_any*>(p) = high | low;
+}
+// kLanesOf<V> consecutive int8 (an int8 KV cache's values), widened to float32.
+template <typename V = vec16>
+TIDAL_INLINE V load(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const typename VectorsOf<V>::i8_any*>(p), V);
 }
 template <typename V = vec16>
 TIDAL_INLINE V load(const c10::Half* p) {

@@ -1,0 +1,166 @@
+"""The KV cache in 8 bits (``--kv-cache-dtype int8``, ``gpu/attention/kv_quant.py``): the cache
+writes give the torch reference's int8 values and scales, and every attention backend over an
+int8 cache gives what the reference attention gives over the dequantized cache, on ragged paged
+layouts with GQA, decode rows and prefill chunks over cached context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu.attention import get_attention_backend
+from gpu.attention.kv_quant import dequantize, quantize_caches, quantize_heads, write_quantized
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.paged_layout import paged_layout, random_caches
+from gpu.attention.torch_ref import reference_paged_attention
+from gpu.cpu.kernels import load_cpu_kernels
+
+KV_HEADS = 2
+# (block_size, head_dim, GQA group): the kernels' head sizes, a block wider and narrower than a
+# vector of positions, and head_dim 40, which the compiled kernels hand to the torch path
+LAYOUTS = [(16, 64, 2), (16, 32, 1), (32, 80, 4), (8, 128, 8), (16, 96, 3), (16, 256, 2),
+           (16, 40, 2)]
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+
+
+def test_each_head_vector_rounds_to_within_half_a_step():
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    x[0, 1] = 0  # an all-zero head: scale 0, values 0
+    q, scale = quantize_heads(x)
+    assert q.dtype == torch.int8 and scale.shape == (50, 3)
+    assert torch.equal(scale, x.abs().amax(-1) * (1 / 127))
+    assert int(q.abs().max()) == 127 and scale[0, 1] == 0 and not q[0, 1].any()
+    err = (dequantize(q, scale) - x).abs()
+    assert bool((err <= scale[..., None] * 0.5 + 1e-6).all())
+
+
+def _slots(n: int, num_slots: int, seed: int) -> torch.Tensor:
+    """Distinct slots for n rows, the last two padding (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=gen)[:n]
+    slots[-2:] = -1
+    return slots
+
+
+def _empty_int8(blocks: int, block_size: int, dim: int) -> list[torch.Tensor]:
+    shape = (blocks, block_size, KV_HEADS, dim)
+    return [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+            torch.zeros(shape[:3]), torch.zeros(shape[:3])]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_cpu_cache_write_is_the_torch_reference_to_the_bit(dtype, dim):
+    key = torch.randn(20, KV_HEADS, dim).to(dtype) * 3
+    value = torch.randn(20, KV_HEADS, dim).to(dtype)
+    slots = _slots(18, 6 * 16, seed=dim)  # two rows past the slots are ignored
+    ours, ref = _empty_int8(6, 16, dim), _empty_int8(6, 16, dim)
+    get_attention_backend("cpu", "cpu").write_kv(key, value, *ours[:2], slots, *ours[2:])
+    write_quantized(key, value, *ref[:2], *ref[2:], slots)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    assert ours[2].count_nonzero() == 16 * KV_HEADS  # the padded rows wrote nothing
+
+
+def _contexts(block_size: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    fixed = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+    return fixed + [rng.randint(1, 300) for _ in range(8)]
+
+
+def _int8_caches(meta: AttentionMetadata, block_size: int,
+                 dim: int) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """An int8 cache of random keys and values (heads of varied magnitude), and its
+    dequantized float32 copy."""
+    k, v = random_caches(meta, block_size, KV_HEADS, dim)
+    k *= torch.rand(k.shape[:3])[..., None] * 4
+    caches = list(quantize_caches(k, v))
+    return caches, (dequantize(caches[0], caches[2]), dequantize(caches[1], caches[3]))
+
+
+def _attend(backend_name: str, context: list[int], query_lens: list[int], block_size: int,
+            dim: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    meta = paged_layout(context, query_lens, block_size, seed=len(context) + dim)
+    caches, dequantized = _int8_caches(meta, block_size, dim)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim).to(dtype)
+    backend = get_attention_backend(backend_name, "cpu")
+    got = backend.forward(query, caches[0], caches[1], meta, 0.17, caches[2], caches[3])
+    ref = reference_paged_attention(query.float(), *dequantized, meta, 0.17)
+    return got, ref
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("block_size,dim,group", LAYOUTS)
+def test_decode_over_int8_is_attention_over_the_dequantized_cache(backend, block_size, dim,
+                                                                   group):
+    context = _contexts(block_size, seed=dim)
+    got, ref = _attend(backend, context, [1] * len(context), block_size, dim, group,
+                       torch.float32)
+    torch.testing.assert_close(got, ref, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_queries_over_int8(backend, dtype):
+    """A bfloat16 or float16 model's queries over the int8 cache; the kernel computes in
+    float32, so only the output's rounding differs."""
+    context = _contexts(16, seed=7)
+    got, ref = _attend(backend, context, [1] * len(context), 16, 64, 2, dtype)
+    torch.testing.assert_close(got.float(), ref.to(dtype).float(), atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("block_size,dim,group", LAYOUTS)
+def test_prefill_chunks_over_int8_match(backend, block_size, dim, group):
+    """Chunks after cached context (prefix hits, earlier chunks), beside decode rows."""
+    context = [0, 0, 37, block_size, 200, 5]
+    query_lens = [1, 45, 20, 3, 64, 1]
+    got, ref = _attend(backend, context, query_lens, block_size, dim, group, torch.float32)
+    torch.testing.assert_close(got, ref, atol=3e-5, rtol=0)
+
+
+@needs_kernels
+def test_the_kernels_refuse_an_int8_cache_without_its_scales():
+    meta = paged_layout([5], [1], 16, seed=0)
+    caches, _ = _int8_caches(meta, 16, 64)
+    query = torch.randn(1, KV_HEADS, 64)
+    requests, rows = meta.decode_rows_cpu
+    with pytest.raises(RuntimeError, match="scales"):
+        load_cpu_kernels().decode_attention(torch.empty_like(query), query, caches[0], caches[1],
+                                            meta.block_table, meta.seq_lens, requests, rows, 0.1)
+
+
+@needs_kernels
+def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
+    """The C++ decode step (decoder.cpp) writes and reads the int8 cache as the Python model
+    does: the same hidden states and the same cache bytes, to the bit."""
+    from gpu.model_config import ModelConfig
+    from gpu.model_loader import load_model
+    from gpu.random_model import build_model_dir
+
+    path = build_model_dir(tmp_path, "llama", hidden_size=128)
+    model = load_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"),
+                       512, torch.float32, "cpu")
+    assert model.decode_stack is not None
+    cfg, context = model.config, [0, 1, 15, 16, 17, 83, 200]
+    meta = paged_layout(context, [1] * len(context), 16, seed=3)
+    caches = []
+    for _ in range(cfg.num_layers):
+        k, v = random_caches(meta, 16, cfg.num_kv_heads, cfg.head_dim)
+        caches.append(quantize_caches(k, v))
+    ids = torch.randint(0, cfg.vocab_size, (len(context),))
+    positions = torch.tensor(context)
+    outs, written = [], []
+    for stack in (None, model.decode_stack):
+        model.decode_stack = stack
+        copies = [tuple(t.clone() for t in layer) for layer in caches]
+        with torch.inference_mode():
+            outs.append(model(ids, positions, copies, meta))
+        written.append(copies)
+    assert torch.equal(outs[0], outs[1])
+    for python_layer, stack_layer in zip(*written):
+        for a, b in zip(python_layer, stack_layer):
+            assert torch.equal(a, b)
