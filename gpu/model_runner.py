@@ -14,8 +14,7 @@ import torch
 from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
-from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from gpu.attention import kv_quant
+from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
 from gpu.cpu import selector
 from gpu.cpu.host_allocator import keep_freed_host_memory
 from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build

@@ -164,3 +164,45 @@ def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
     for python_layer, stack_layer in zip(*written):
         for a, b in zip(python_layer, stack_layer):
             assert torch.equal(a, b)
+
+
+# -- Triton, in its interpreter on the CPU ------------------------------------------------
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from gpu.attention import triton_kernels
+
+    return triton_kernels
+
+
+@pytest.mark.parametrize("dim", [16, 64, 80])
+def test_triton_cache_write_is_the_reference_within_a_tie(triton_kernels, dim):
+    """The same scales; values equal but where x / scale falls on a tie, which Triton rounds
+    away from zero and the reference to even (at most one step apart)."""
+    key, value = torch.randn(12, KV_HEADS, dim) * 3, torch.randn(12, KV_HEADS, dim)
+    slots = _slots(10, 4 * 16, seed=dim)
+    ours, ref = _empty_int8(4, 16, dim), _empty_int8(4, 16, dim)
+    triton_kernels.write_kv(key, value, *ours[:2], slots, *ours[2:])
+    write_quantized(key, value, *ref[:2], *ref[2:], slots)
+    for a, b in zip(ours[2:], ref[2:]):
+        assert torch.equal(a, b)
+    for a, b in zip(ours[:2], ref[:2]):
+        diff = (a.int() - b.int()).abs()
+        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 2
+
+
+@pytest.mark.parametrize("block_size,dim,group", [(16, 16, 1), (16, 64, 2), (32, 80, 2)])
+@pytest.mark.parametrize("query_lens", ["decode", "mixed"])
+def test_triton_attention_over_int8_matches(triton_kernels, block_size, dim, group, query_lens):
+    from gpu.attention.triton_backend import TritonAttentionBackend
+
+    context = [1, block_size - 1, block_size + 1, 37]
+    lens = [1] * 4 if query_lens == "decode" else [1, 9, 1, 20]
+    meta = paged_layout(context, lens, block_size, seed=dim)
+    caches, dequantized = _int8_caches(meta, block_size, dim)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim)
+    got = TritonAttentionBackend().forward(query, caches[0], caches[1], meta, 0.2, *caches[2:])
+    ref = reference_paged_attention(query, *dequantized, meta, 0.2)
+    torch.testing.assert_close(got, ref, atol=3e-5, rtol=0)
