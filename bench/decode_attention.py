@@ -84,14 +84,17 @@ def _measure_int8(name: str, meta: AttentionMetadata, caches: list, query: torch
 
     def round_of(backend: CpuAttentionBackend | TorchAttentionBackend, layers: list):
         turn = itertools.cycle(layers)
-        return lambda: backend.forward(query, *next(turn), meta, scale)
+        return lambda: call(backend, next(turn))
+
+    def call(backend: CpuAttentionBackend | TorchAttentionBackend, layer: tuple) -> torch.Tensor:
+        key, value, *scales = layer
+        return backend.forward(query, key, value, meta, scale, *scales)
 
     with denormals_flushed():
         ours = best_ms(round_of(kernel, quantized), repeats)
         floats = best_ms(round_of(kernel, caches), repeats)
         theirs = best_ms(round_of(peer, quantized), repeats)
-        diff = (kernel.forward(query, *quantized[0], meta, scale).float()
-                - peer.forward(query, *quantized[0], meta, scale).float()).abs().max().item()
+        diff = (call(kernel, quantized[0]) - call(peer, quantized[0])).abs().max().item()
     k, _, ks, _ = quantized[0]
     rows = len(meta.seq_lens_cpu)
     int8_bytes = 2 * rows * meta.seq_lens_cpu[0] * (k.shape[2] * k.shape[3] + 4 * ks.shape[2])

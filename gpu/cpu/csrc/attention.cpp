@@ -223,12 +223,8 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
   V scores = block_scores<CHUNKS, Rows>(q, keys, offsets, fetch);
   V value_scales;
   if constexpr (Rows::kScaled) {  // int8: q.k is the key's scale times q.(its int8 values)
-    V key_scales;
-    for (int64_t j = 0; j < kLanes; ++j) {
-      key_scales[j] = scales.k[scales.at[j]];
-      value_scales[j] = scales.v[scales.at[j]];
-    }
-    scores *= key_scales;
+    value_scales = tidal::load<V>(scales.v);
+    scores *= tidal::load<V>(scales.k);
   }
   for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   float* sums = state.acc + 2 * CHUNKS * kLanes;
@@ -271,6 +267,20 @@ BlockKernel<Rows> block_kernel(int64_t head_dim) {
   }
 }
 
+// An int8 cache's key and value scales of a block's kLanes positions (whose scales sit at
+// `at`), for each KV head in turn: gathered once a block into vectors that every query head of
+// the KV head's group loads, where gathering them lane by lane in each head's block kernel cost
+// as much as its arithmetic.
+void gather_block_scales(const float* key_scales, const float* value_scales, const int64_t* at,
+                         int64_t kv_heads, float* out) {
+  for (int64_t kvh = 0; kvh < kv_heads; ++kvh, out += 2 * kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      out[j] = key_scales[at[j] + kvh];
+      out[kLanes + j] = value_scales[at[j] + kvh];
+    }
+  }
+}
+
 // Rows: how the cache is read; scalar_t: the query's and output's element type.
 template <typename Rows, typename scalar_t>
 void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
@@ -304,6 +314,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
     std::vector<int64_t> offsets, at_scales;
+    std::vector<float> block_scales(Rows::kScaled ? 2 * key_cache.size(2) * kLanes : 0);
     std::vector<const char*> groups(
         2 * kLanes * ((row_elements * sizeof(cache_t) + kGroupBytes - 1) / kGroupBytes));
     for (int64_t i; (i = items.next()) >= 0;) {
@@ -319,6 +330,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       tidal::context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
       if (Rows::kScaled) tidal::scale_offsets(offsets, dim, at_scales);
+      const int64_t kv_heads = key_cache.size(2);
       const int64_t first_groups = future_groups(keys, values, offsets.data(), 0, len,
                                                  row_elements, groups);
       for (int64_t g = 0; g < first_groups; ++g) prefetch_group(groups[g]);
@@ -327,13 +339,13 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
         const int64_t count = future_groups(keys, values, offsets.data(), p0 + kPrefetchAhead,
                                             len, row_elements, groups);
         const int64_t per_head = (count + heads - 1) / heads;
+        if (Rows::kScaled) gather_block_scales(key_scales, value_scales, at_scales.data() + p0,
+                                               kv_heads, block_scales.data());
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t head_offset = (h / group) * dim;
           const int64_t first = std::min(count, h * per_head);
-          const Scales head_scales =
-              Rows::kScaled ? Scales{key_scales + h / group, value_scales + h / group,
-                                     at_scales.data() + p0}
-                            : Scales{nullptr, nullptr, nullptr};
+          const float* kv_scales = block_scales.data() + 2 * (h / group) * kLanes;
+          const Scales head_scales{kv_scales, kv_scales + kLanes};
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
                  offsets.data() + p0, n,
                  Groups{groups.data() + first, std::min(count, first + per_head) - first},

@@ -47,12 +47,11 @@ struct Int8Rows {
   static int64_t element(int c, int lane) { return c * kLanes + lane; }
 };
 
-// An int8 cache's scales for one KV head and block: position j's key scale is k[at[j]] and its
-// value scale v[at[j]]. Unused for float caches.
+// An int8 cache's scales for one KV head and block: kLanes floats each, lane j position j's
+// key (k) or value (v) scale. Unused for float caches.
 struct Scales {
   const float* k;
   const float* v;
-  const int64_t* at;
 };
 
 }  // namespace tidal::decode
