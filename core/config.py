@@ -38,6 +38,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU
+    # "auto" (the model's dtype) or "int8" (8-bit values, a float32 scale per token and KV
+    # head: gpu/attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU: no CUDA graphs
@@ -74,6 +77,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive byte count, "
                              f"got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

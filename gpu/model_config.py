@@ -89,8 +89,11 @@ class ModelConfig:
             eos_token_ids=list(eos_token_ids),
         )
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    def kv_bytes_per_token(self, dtype_size: int, scale_size: int = 0) -> int:
+        """Bytes of KV cache per token: a key and a value of ``dtype_size`` bytes an element,
+        each with a scale of ``scale_size`` bytes per KV head (int8 caches), in every layer."""
+        return (2 * self.num_layers * self.num_kv_heads
+                * (self.head_dim * dtype_size + scale_size))
 
     def layer_linear_macs(self) -> int:
         """Multiply-adds of one token through one layer's linears: the q, k, v and output

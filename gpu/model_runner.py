@@ -14,7 +14,7 @@ import torch
 from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
-from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
 from gpu.cpu import selector
 from gpu.cpu.host_allocator import keep_freed_host_memory
 from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
@@ -54,7 +54,7 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 config.device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         self.profiler = StepProfiler()
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
@@ -78,9 +78,16 @@ class ModelRunner:
         return self.model_config.eos_token_ids
 
     # -- KV cache -----------------------------------------------------------------------
+    @property
+    def kv_cache_quantized(self) -> bool:
+        return kv_quant.is_quantized(self.config.kv_cache_dtype)
+
     def determine_num_blocks(self) -> int:
-        per_block = self.block_size * self.model_config.kv_bytes_per_token(
-            self.dtype.itemsize)
+        # an int8 cache's scales count: a float32 per token, KV head and K or V
+        per_token = (self.model_config.kv_bytes_per_token(1, kv_quant.SCALE_BYTES)
+                     if self.kv_cache_quantized
+                     else self.model_config.kv_bytes_per_token(self.dtype.itemsize))
+        per_block = self.block_size * per_token
         if self.device == "cpu":
             budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         else:
@@ -133,11 +140,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        dtype = torch.int8 if self.kv_cache_quantized else self.dtype
+        self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
+                          for _ in range(cfg.num_layers)]
         if capture:
             self._capture_cuda_graphs()
 

@@ -210,18 +210,25 @@ def test_decode_num_splits_grows_with_context_and_shrinks_with_batch():
 
 # ---------------------------------------------------------------------------------------
 _PTRS_I32 = ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")
-_PTRS_F32 = ("mid_o_ptr", "mid_lse_ptr")
-HOPPER_BUILDS = {  # kernel -> constexprs, in the model's dtype and shapes
-    "write_kv": ("_write_kv_kernel", dict(HEADS=8, DIM=64)),
+_PTRS_F32 = ("mid_o_ptr", "mid_lse_ptr", "k_scale_ptr", "v_scale_ptr")
+_CACHE_PTRS = ("k_cache_ptr", "v_cache_ptr", "key_cache_ptr", "value_cache_ptr")
+_F = dict(PRECISION="tf32", UPCAST=False)
+HOPPER_BUILDS = {  # kernel -> constexprs, in the model's dtype and shapes; QUANT: an int8 cache
+    "write_kv": ("_write_kv_kernel", dict(HEADS=8, DIM=64, QUANT=False)),
+    "write_kv-int8": ("_write_kv_kernel", dict(HEADS=8, DIM=64, QUANT=True)),
     "decode": ("_decode_kernel", dict(BLOCK_SIZE=16, GROUP_PAD=16, DIM=64, BLOCK_N=64,
-                                      SPLIT=False, PRECISION="tf32", UPCAST=False)),
+                                      SPLIT=False, QUANT=False, **_F)),
     "decode-split": ("_decode_kernel", dict(BLOCK_SIZE=16, GROUP_PAD=16, DIM=128, BLOCK_N=64,
-                                            SPLIT=True, PRECISION="tf32", UPCAST=False)),
+                                            SPLIT=True, QUANT=False, **_F)),
+    "decode-int8": ("_decode_kernel", dict(BLOCK_SIZE=16, GROUP_PAD=16, DIM=128, BLOCK_N=64,
+                                           SPLIT=True, QUANT=True, **_F)),
     "merge": ("_merge_splits_kernel", dict(SPLITS_PAD=8, DIM=64)),
     "prefill-gqa": ("_prefill_kernel", dict(BLOCK_SIZE=16, GROUP_PAD=8, BLOCK_Q=8, DIM=64,
-                                            BLOCK_N=64, PRECISION="tf32", UPCAST=False)),
+                                            BLOCK_N=64, QUANT=False, **_F)),
     "prefill-mha": ("_prefill_kernel", dict(BLOCK_SIZE=32, GROUP_PAD=1, BLOCK_Q=64, DIM=128,
-                                            BLOCK_N=64, PRECISION="tf32", UPCAST=False)),
+                                            BLOCK_N=64, QUANT=False, **_F)),
+    "prefill-int8": ("_prefill_kernel", dict(BLOCK_SIZE=16, GROUP_PAD=8, BLOCK_Q=8, DIM=64,
+                                             BLOCK_N=64, QUANT=True, **_F)),
 }
 
 
@@ -232,8 +239,10 @@ def compile_for_hopper() -> None:
     from triton.compiler import ASTSource, compile
 
     assert not tk.interpreting()
+    from gpu.attention import triton_cache_write
+
     for build, (name, constexprs) in HOPPER_BUILDS.items():
-        kernel = getattr(tk, name)
+        kernel = getattr(tk, name, None) or getattr(triton_cache_write, name)
         signature = {arg: _arg_type(arg, constexprs) for arg in kernel.arg_names}
         source = ASTSource(kernel, signature,
                            {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -248,6 +257,8 @@ def _arg_type(arg: str, constexprs: dict) -> str:
         return "constexpr"
     if arg == "slot_ptr":
         return "*i64"
+    if arg in _CACHE_PTRS and constexprs.get("QUANT"):
+        return "*i8"
     if arg.endswith("_ptr"):
         return "*i32" if arg in _PTRS_I32 else "*fp32" if arg in _PTRS_F32 else "*bf16"
     return "fp32" if arg == "scale" else "i32"

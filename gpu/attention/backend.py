@@ -13,10 +13,15 @@ class AttentionBackend(Protocol):
     name: str
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots;
+        into an int8 cache quantized, with their scales (``gpu.attention.kv_quant``)."""
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention. ``query`` is ``[num_tokens, num_heads, head_dim]``
-        (``num_heads`` a multiple of ``num_kv_heads``); returns the same shape."""
+        (``num_heads`` a multiple of ``num_kv_heads``); returns the same shape. An int8 cache
+        comes with its scales ``[num_blocks, block_size, num_kv_heads]``."""

@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 
 from gpu.attention.metadata import AttentionMetadata
-from gpu.attention.torch_ref import TorchAttentionBackend
+from gpu.attention.torch_ref import Scale, TorchAttentionBackend
 from gpu.cpu.kernels import KERNEL_DTYPES
 from gpu.cpu.selector import KERNELS, Plan
 
@@ -31,40 +31,47 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.prefill_plan: Plan | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: Scale = None, v_scale: Scale = None) -> None:
         if not _kernel_dtypes(key, value, key_cache, value_cache):
-            return super().write_kv(key, value, key_cache, value_cache, slot_mapping)
-        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return super().write_kv(key, value, key_cache, value_cache, slot_mapping,
+                                    k_scale, v_scale)
+        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                scales: tuple[Scale, Scale] = (None, None)) -> None:
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
         own context, so rows of any lengths go together."""
         if not (_kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.decode_plan, len(meta.decode_requests))):
-            return super()._decode(query, key_cache, value_cache, meta, scale, out)
+            return super()._decode(query, key_cache, value_cache, meta, scale, out, scales)
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
-                                      meta.seq_lens, requests, query_rows, scale)
+                                      meta.seq_lens, requests, query_rows, scale, *scales)
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                 scales: tuple[Scale, Scale] = (None, None)) -> None:
         """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
         attention keeps the half-precision chunks."""
         if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.prefill_plan, meta.num_actual_tokens)):
-            return super()._prefill(query, key_cache, value_cache, meta, scale, out)
+            return super()._prefill(query, key_cache, value_cache, meta, scale, out, scales)
         self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
                                        meta.seq_lens, meta.query_start_loc,
-                                       meta.prefill_requests_cpu, scale)
+                                       meta.prefill_requests_cpu, scale, *scales)
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:
-    """The kernels take float32, bfloat16 and float16, one dtype throughout."""
+    """The kernels take float32, bfloat16 and float16, one dtype throughout, except that the
+    caches (the last two tensors given) may be int8 (with scales) whatever the others are."""
     dtype = tensors[0].dtype
-    return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
+    caches = [t for t in tensors if t.dtype == torch.int8]
+    return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors
+                                          if t.dtype != torch.int8) and len(caches) in (0, 2)
 
 
 def _chosen(plan: Plan | None, rows: int) -> bool:

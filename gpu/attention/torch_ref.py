@@ -12,14 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu.attention.kv_quant import dequantize, write_quantized
 from gpu.attention.metadata import AttentionMetadata
+
+Scale = torch.Tensor | None  # an int8 cache's scales [num_blocks, block_size, num_kv_heads]
 
 
 class TorchAttentionBackend:
     name = "torch"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: Scale = None, v_scale: Scale = None) -> None:
+        if k_scale is not None and v_scale is not None:
+            return write_quantized(key, value, key_cache, value_cache, k_scale, v_scale,
+                                   slot_mapping)
         n = slot_mapping.shape[0]
         valid = slot_mapping >= 0
         slots = slot_mapping[valid] if not bool(valid.all()) else slot_mapping
@@ -29,27 +36,31 @@ class TorchAttentionBackend:
         flat_v.index_copy_(0, slots, value[:n][valid].to(flat_v.dtype))
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: Scale = None,
+                v_scale: Scale = None) -> torch.Tensor:
         out = torch.empty_like(query)
         # padding rows; every request's rows are written below
         out[meta.query_start_loc_cpu[-1]:].zero_()
+        scales = (k_scale, v_scale)
         if meta.decode_requests:
-            self._decode(query, key_cache, value_cache, meta, scale, out)
+            self._decode(query, key_cache, value_cache, meta, scale, out, scales)
         if meta.prefill_requests:
-            self._prefill(query, key_cache, value_cache, meta, scale, out)
+            self._prefill(query, key_cache, value_cache, meta, scale, out, scales)
         return out
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                 scales: tuple[Scale, Scale] = (None, None)) -> None:
         """The step's prefill chunks (``meta.prefill_requests``), one request at a time."""
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in meta.prefill_requests:
             start, end = qsl[i], qsl[i + 1]
-            k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
+            k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i], scales)
             out[start:end] = _attend_sdpa(query[start:end], k, v, scale, lens[i] - (end - start))
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                scales: tuple[Scale, Scale] = (None, None)) -> None:
         """The step's decode rows (``meta.decode_requests``), in one batched call per group
         of rows whose contexts span the same power-of-two number of blocks: every row of a
         call is gathered and attended up to the call's longest context, so one long request
@@ -61,12 +72,12 @@ class TorchAttentionBackend:
             blocks = -(-meta.seq_lens_cpu[i] // block_size)
             groups.setdefault((blocks - 1).bit_length(), []).append(i)
         for group in groups.values():
-            self._decode_group(query, key_cache, value_cache, meta, scale, group, out)
+            self._decode_group(query, key_cache, value_cache, meta, scale, group, out, scales)
 
     @staticmethod
     def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, rows: list[int],
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, scales: tuple[Scale, Scale]) -> None:
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         tokens = torch.tensor([qsl[i] for i in rows], device=query.device)
         ctx = torch.tensor([lens[i] for i in rows], device=query.device)
@@ -74,9 +85,8 @@ class TorchAttentionBackend:
         num_blocks = -(-max(lens[i] for i in rows) // block_size)
         table = meta.block_table[rows, :num_blocks].flatten()
         b, kvh, dim = len(rows), key_cache.shape[2], key_cache.shape[3]
-        # index_select copies whole blocks several times faster than advanced indexing
-        k = key_cache.index_select(0, table).view(b, -1, kvh, dim).transpose(1, 2)
-        v = value_cache.index_select(0, table).view(b, -1, kvh, dim).transpose(1, 2)
+        k = _gather_blocks(key_cache, scales[0], table).view(b, -1, kvh, dim).transpose(1, 2)
+        v = _gather_blocks(value_cache, scales[1], table).view(b, -1, kvh, dim).transpose(1, 2)
         q = query[tokens].unsqueeze(2)  # [B, H, 1, D]
         pos = torch.arange(k.shape[2], device=query.device)
         mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
@@ -85,13 +95,25 @@ class TorchAttentionBackend:
         out[tokens] = o.squeeze(2)
 
 
+def _gather_blocks(cache: torch.Tensor, scale: Scale, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's ``blocks``, dequantized to float32 where it holds int8 with scales: only the
+    gathered copy is dequantized, never the whole cache."""
+    # index_select copies whole blocks several times faster than advanced indexing
+    gathered = cache.index_select(0, blocks)
+    if scale is None:
+        return gathered
+    return dequantize(gathered, scale.index_select(0, blocks))
+
+
 def _gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_row: torch.Tensor, seq_len: int,
+                    scales: tuple[Scale, Scale] = (None, None),
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one request."""
     block_size = key_cache.shape[1]
     blocks = block_row[: -(-seq_len // block_size)]
-    k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-    v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    k = _gather_blocks(key_cache, scales[0], blocks).flatten(0, 1)[:seq_len]
+    v = _gather_blocks(value_cache, scales[1], blocks).flatten(0, 1)[:seq_len]
     return k, v
 
 

@@ -23,21 +23,26 @@ class TritonAttentionBackend:
                              "TRITON_INTERPRET=1 to run its kernels on the CPU")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        kernels.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
         if meta.is_decode_only:
             rows = meta.num_reqs  # one query row per request, in request order
             kernels.paged_decode(query[:rows], key_cache, value_cache, meta.block_table,
-                                 meta.seq_lens, scale, meta.max_seq_len, out=out[:rows])
+                                 meta.seq_lens, scale, meta.max_seq_len, out=out[:rows],
+                                 k_scale=k_scale, v_scale=v_scale)
         else:
             rows = meta.num_actual_tokens
             kernels.paged_prefill(query, key_cache, value_cache, meta.block_table,
                                   meta.seq_lens, meta.query_start_loc, scale,
-                                  meta.max_query_len, out=out)
+                                  meta.max_query_len, out=out, k_scale=k_scale,
+                                  v_scale=v_scale)
         if query.shape[0] > rows:  # padding rows: zeros, as the torch backend gives
             out[rows:].zero_()
         return out

@@ -2,7 +2,8 @@
 
 Three jobs (layout in ``gpu.attention.metadata``):
 
-- ``write_kv``: store a step's keys and values at their slots; slot ``-1`` is padding, skipped.
+- ``write_kv`` (``gpu.attention.triton_cache_write``): store a step's keys and values at their
+  slots; slot ``-1`` is padding, skipped.
 - ``paged_decode``: one query token per request (a decode-only step). A program owns one
   (request, KV head, split): it loads each K/V tile once for all the query heads of its GQA
   group. Long contexts are split over several programs (flash-decoding); each writes a partial
@@ -16,8 +17,11 @@ Three jobs (layout in ``gpu.attention.metadata``):
   already stored it).
 
 Softmax runs in base 2 (``exp2``) with the scale folded into the scores, accumulating in
-float32. Without CUDA, the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
-unless the environment says otherwise), which is how the CPU tests exercise them.
+float32. An int8 cache (``gpu.attention.kv_quant``) is read as int8 and dequantized in registers
+by its per-(token, KV head) scales as each tile is loaded (``write_kv``, in
+``triton_cache_write``, quantizes as it stores). Without CUDA, the kernels run in Triton's
+interpreter (``TRITON_INTERPRET=1``, set here unless the environment says otherwise), which is
+how the CPU tests exercise them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from gpu.attention.triton_cache_write import (  # noqa: E402
+    _last_dim_contiguous,
+    check_cache,
+    write_kv,
+)
+
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 32
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
@@ -44,59 +54,26 @@ def interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# write_kv
-# --------------------------------------------------------------------------------------
-@triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                     k_stride_t, k_stride_h, v_stride_t, v_stride_h, c_stride_slot, c_stride_h,
-                     num_kv_heads, head_dim,
-                     HEADS: tl.constexpr, DIM: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    h = tl.arange(0, HEADS)[:, None]
-    d = tl.arange(0, DIM)[None, :]
-    mask = (h < num_kv_heads) & (d < head_dim)
-    dst = slot * c_stride_slot + h * c_stride_h + d
-    k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + t * v_stride_t + v_stride_h * h + d, mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (rows past
-    ``len(slot_mapping)`` ignored) at their slots of the ``[blocks, block_size, kv_heads,
-    head_dim]`` caches."""
-    _check_cache(key_cache, value_cache)
-    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
-        return
-    _, _, kvh, dim = key_cache.shape
-    _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(1), key_cache.stride(2), kvh, dim,
-        HEADS=triton.next_power_of_2(kvh), DIM=triton.next_power_of_2(dim))
-
-
-# --------------------------------------------------------------------------------------
 # the K/V tile both attention kernels read
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d, d_mask,
-                  c_stride_b, c_stride_s, c_stride_h, bt_stride,
-                  BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, r, kvh,
+                  pos, n_mask, d, d_mask, c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                  BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     """K and V ``[BLOCK_N, DIM]`` of KV head ``kvh`` at token positions ``pos`` of request
-    ``r``, found through its block table; rows outside ``n_mask`` and padded dims are zero."""
+    ``r``, found through its block table; rows outside ``n_mask`` and padded dims are zero.
+    An int8 cache's rows come dequantized to float32 by their scales, which sit at the row's
+    offset over head_dim (the scales are laid out as the cache without its last dim)."""
     blk = tl.load(block_table_ptr + r * bt_stride + pos // BLOCK_SIZE, mask=n_mask, other=0)
     off = blk.to(tl.int64) * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+    if QUANT:
+        k_s = tl.load(k_scale_ptr + off // c_stride_h, mask=n_mask, other=0.0)
+        v_s = tl.load(v_scale_ptr + off // c_stride_h, mask=n_mask, other=0.0)
+        k = k.to(tl.float32) * k_s[:, None]
+        v = v.to(tl.float32) * v_s[:, None]
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -107,15 +84,15 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask
 # decode: split-K paged attention and the merge of the splits
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-                   out_ptr, mid_o_ptr, mid_lse_ptr, scale,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
+                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, scale,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    c_stride_b, c_stride_s, c_stride_h, bt_stride,
                    mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
                    group, head_dim, num_splits,
                    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,9 +117,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_pt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d,
-                             d_mask, c_stride_b, c_stride_s, c_stride_h, bt_stride,
-                             BLOCK_SIZE, UPCAST)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                             block_table_ptr, r, kvh, pos, n_mask, d, d_mask, c_stride_b,
+                             c_stride_s, c_stride_h, bt_stride, BLOCK_SIZE, UPCAST, QUANT)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -209,11 +187,13 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  max_seq_len: int, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, block_n: int | None = None,
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query row ``i`` (``[num_reqs, heads, head_dim]``) over the first
     ``seq_lens[i]`` tokens of request ``i``'s blocks. A request with ``seq_len`` 0 (padding)
-    gets zeros."""
-    _check_cache(key_cache, value_cache)
+    gets zeros. An int8 cache comes with its scales."""
+    check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
     num_reqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[2]
     _, block_size, kvh, _ = key_cache.shape
@@ -233,7 +213,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     else:  # unused: the kernel writes the output directly
         mid_o = mid_lse = out
     _decode_kernel[(num_reqs, kvh, num_splits)](
-        query, key_cache, value_cache, block_table, seq_lens, out, mid_o, mid_lse,
+        query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), block_table,
+        seq_lens, out, mid_o, mid_lse,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
@@ -241,7 +222,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim,
         BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=_precision(query),
-        UPCAST=_upcast(key_cache))
+        UPCAST=_upcast(query), QUANT=k_scale is not None)
     if num_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -254,14 +235,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 # prefill and mixed batches: varlen causal attention over the paged cache
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, scale,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, scale,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_b, c_stride_s, c_stride_h, bt_stride,
                     group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0)
     q_tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -294,9 +275,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, s
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, r, kvh, pos, n_mask, d,
-                             d_mask, c_stride_b, c_stride_s, c_stride_h, bt_stride,
-                             BLOCK_SIZE, UPCAST)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                             block_table_ptr, r, kvh, pos, n_mask, d, d_mask, c_stride_b,
+                             c_stride_s, c_stride_h, bt_stride, BLOCK_SIZE, UPCAST, QUANT)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(causal, s, float("-inf"))
@@ -316,11 +298,13 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   block_table: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                   out: torch.Tensor | None = None, block_q: int | None = None,
-                  block_n: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's query rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (its last tokens) over its ``seq_lens[i]``
-    cached tokens. Rows outside every request are left as they are in ``out``."""
-    _check_cache(key_cache, value_cache)
+    cached tokens. Rows outside every request are left as they are in ``out``. An int8 cache
+    comes with its scales."""
+    check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kvh, _ = key_cache.shape
@@ -337,14 +321,15 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_n = block_n or _default_block_n(block_size)
     grid = (num_reqs, -(-max_query_len // block_q), kvh)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
+        query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), out, block_table,
+        seq_lens, query_start_loc,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         group, head_dim,
         BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         DIM=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        PRECISION=_precision(query), UPCAST=_upcast(key_cache))
+        PRECISION=_precision(query), UPCAST=_upcast(query), QUANT=k_scale is not None)
     return out
 
 
@@ -359,22 +344,16 @@ def _precision(query: torch.Tensor) -> str:
     return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
-def _upcast(cache: torch.Tensor) -> bool:
-    """The interpreter's ``tl.dot`` misreads bfloat16 operands: give it float32 there."""
-    return interpreting() and cache.dtype == torch.bfloat16
+def _upcast(query: torch.Tensor) -> bool:
+    """The interpreter's ``tl.dot`` misreads bfloat16 operands: give it float32 there (the
+    query's dtype is the cache's, or the dtype an int8 cache is dequantized to)."""
+    return interpreting() and query.dtype == torch.bfloat16
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous "
-                         "[num_blocks, block_size, num_kv_heads, head_dim] tensors")
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(f"key and value caches differ in shape: {tuple(key_cache.shape)} "
-                         f"vs {tuple(value_cache.shape)}")
+def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers a kernel takes: an int8 cache's scales, or (unread) the cache."""
+    return (k_scale, v_scale) if k_scale is not None and v_scale is not None else (cache, cache)
 
 
 __all__ = ["decode_num_splits", "interpreting", "paged_decode", "paged_prefill", "write_kv"]

@@ -5,7 +5,9 @@ holds the GIL there, so a server's event loop and the step take turns. ``DecodeS
 same kernels in the same order from C++ with the GIL released, its linears the model's own
 ``PlannedLinear``s, giving bitwise the same hidden states. It takes steps whose every request
 has one query row and whose row count the ops' plans give to tidal's kernels; prefill chunks
-and other dtypes keep the Python path.
+and other dtypes keep the Python path. An int8 KV cache (``--kv-cache-dtype int8``) takes it
+too: each layer's four cache tensors (values and scales) go to the same write and attention
+kernels as from Python.
 """
 
 from __future__ import annotations

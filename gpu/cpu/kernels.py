@@ -40,7 +40,8 @@ SOURCES = [CSRC / name
            for name in ("kernels.cpp", "attention.cpp", "prefill_attention.cpp", "linear.cpp",
                         "mkl_linear.cpp", "planned_linear.cpp", "activation.cpp", "argmax.cpp",
                         "inputs.cpp", "decoder.cpp")]
-HEADERS = [CSRC / name for name in ("kernels.h", "paged.h", "parallel.h", "vec.h")]
+HEADERS = [CSRC / name
+           for name in ("decode_rows.h", "kernels.h", "paged.h", "parallel.h", "vec.h")]
 # The instruction set to build for, as GCC's -march takes it: ``native`` (this CPU, the default)
 # or a baseline such as ``x86-64-v3`` (AVX2 and FMA), to run here the code an AVX2 host runs.
 ISA_ENV = "TIDAL_CPU_ISA"

@@ -18,7 +18,9 @@ from gpu.cpu.selector import Plan
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+# One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
+# v_scale) (gpu.attention.kv_quant).
+KVCache = tuple[torch.Tensor, ...]
 
 
 class Attention(nn.Module):
@@ -47,9 +49,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        key_cache, value_cache = kv_cache
-        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = self.backend.forward(q, key_cache, value_cache, meta, self.scale)
+        key_cache, value_cache, *scales = kv_cache
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
+        out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -25,17 +25,25 @@
 // low and high halves are the even and odd elements (PairedBf16Rows): one load and one shift or
 // mask per vector of floats, where widening the halves takes four instructions.
 //
+// An int8 cache (gpu/attention/kv_quant.py) is read a vector of elements at a time, widened to
+// float32 in registers (Int8Rows). Its scales, one per position and KV head, are applied to a
+// block at once: a block's scores are multiplied lane by lane by its keys' scales, and its
+// softmax weights by its values' scales before they weight the values (the softmax sums take
+// the weights unscaled). The query and output stay in the model's dtype.
+//
 // bench/decode_attention.py times the kernel against the torch backend; docs/cpu-backend.md
 // keeps what was measured.
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
-// [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
+// [blocks, block_size, kv_heads, head_dim] (int8: with k_scale/v_scale
+// [blocks, block_size, kv_heads]); block_table [requests, max_blocks] int32;
 // seq_lens [requests] int32; requests and query_rows [n] int64: the i-th attended row is
 // request requests[i], whose query is query[query_rows[i]]. head_dim is one of those
 // decode_attention_supports names. Every index is checked before any is used.
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
+#include "decode_rows.h"
 #include "kernels.h"
 #include "paged.h"
 #include "parallel.h"
@@ -50,6 +58,10 @@ namespace {
 
 using V = tidal::vnative;
 constexpr int64_t kLanes = tidal::kNativeLanes;  // positions in a block; floats in a chunk
+using tidal::decode::Int8Rows;
+using tidal::decode::PairedBf16Rows;
+using tidal::decode::PlainRows;
+using tidal::decode::Scales;
 constexpr int64_t kPrefetchAhead = kLanes;  // positions between a prefetch and its use
 // Registers a block kernel's pass may fill with its tile, leaving two for loads and broadcasts.
 constexpr int kTileRegisters = tidal::kNativeRegisters - 2;
@@ -61,8 +73,10 @@ constexpr int64_t kGroupBytes = 64 * kLinesPerGroup;
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                  const torch::Tensor& requests, const torch::Tensor& query_rows) {
-  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens);
+                  const torch::Tensor& requests, const torch::Tensor& query_rows,
+                  const tidal::OptionalTensor& k_scale, const tidal::OptionalTensor& v_scale) {
+  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens,
+                                      k_scale, v_scale);
   for (const auto& t : {requests, query_rows})
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(requests.scalar_type() == torch::kInt64 &&
@@ -117,29 +131,6 @@ TIDAL_INLINE void prefetch_group(const char* at) {
 struct HeadState {
   float max;
   float* acc;  // (2 x head_dim + kLanes) floats
-};
-
-// How a cache row (or a query) is read as chunks of one vector each. Plain: chunk c holds
-// elements [c kLanes, (c + 1) kLanes).
-template <typename scalar_t>
-struct PlainRows {
-  using type = scalar_t;
-  static V chunk(const scalar_t* row, int c) { return tidal::load<V>(row + c * kLanes); }
-  static int64_t element(int c, int lane) { return c * kLanes + lane; }
-};
-
-// bfloat16 rows of a head_dim divisible by 2 kLanes, read in pairs of chunks
-// (tidal::load_pairs): chunks 2m and 2m + 1 hold the even and the odd elements of
-// [2m kLanes, (2m + 2) kLanes). The query is permuted the same way and the output back, so the
-// sums are those of PlainRows, in a different order.
-struct PairedBf16Rows {
-  using type = c10::BFloat16;
-  static V chunk(const c10::BFloat16* row, int c) {
-    V even, odd;
-    tidal::load_pairs(row + (c / 2) * 2 * kLanes, even, odd);
-    return c % 2 == 0 ? even : odd;
-  }
-  static int64_t element(int c, int lane) { return (c / 2) * 2 * kLanes + 2 * lane + c % 2; }
 };
 
 // Groups of cache lines for one call of the block kernel to prefetch, spread over its
@@ -228,8 +219,13 @@ TIDAL_INLINE void add_values(float* out, float rescale, V weights,
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
                   const typename Rows::type* values, const int64_t* offsets, int64_t n,
-                  Groups fetch) {
+                  Groups fetch, Scales scales) {
   V scores = block_scores<CHUNKS, Rows>(q, keys, offsets, fetch);
+  V value_scales;
+  if constexpr (Rows::kScaled) {  // int8: q.k is the key's scale times q.(its int8 values)
+    value_scales = tidal::load<V>(scales.v);
+    scores *= tidal::load<V>(scales.k);
+  }
   for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   float* sums = state.acc + 2 * CHUNKS * kLanes;
   V weight_sums = tidal::load<V>(sums);
@@ -245,12 +241,17 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
   const float shift = state.max == -std::numeric_limits<float>::infinity() ? 0.f : state.max;
   const V weights = tidal::exp_nonpositive(scores - shift);
   tidal::store(sums, weight_sums + weights);
-  add_values<CHUNKS, Rows>(state.acc, rescale, weights, values, offsets, n);
+  if constexpr (Rows::kScaled) {  // each value weighted by its weight and its scale
+    add_values<CHUNKS, Rows>(state.acc, rescale, weights * value_scales, values, offsets, n);
+  } else {
+    add_values<CHUNKS, Rows>(state.acc, rescale, weights, values, offsets, n);
+  }
 }
 
 template <typename Rows>
 using BlockKernel = void (*)(const float*, HeadState&, const typename Rows::type*,
-                             const typename Rows::type*, const int64_t*, int64_t, Groups);
+                             const typename Rows::type*, const int64_t*, int64_t, Groups,
+                             Scales);
 
 // The block kernel for head_dim, or nullptr for a size without one.
 template <typename Rows>
@@ -266,13 +267,29 @@ BlockKernel<Rows> block_kernel(int64_t head_dim) {
   }
 }
 
-template <typename Rows>
+// An int8 cache's key and value scales of a block's kLanes positions (whose scales sit at
+// `at`), for each KV head in turn: gathered once a block into vectors that every query head of
+// the KV head's group loads, where gathering them lane by lane in each head's block kernel cost
+// as much as its arithmetic.
+void gather_block_scales(const float* key_scales, const float* value_scales, const int64_t* at,
+                         int64_t kv_heads, float* out) {
+  for (int64_t kvh = 0; kvh < kv_heads; ++kvh, out += 2 * kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      out[j] = key_scales[at[j] + kvh];
+      out[kLanes + j] = value_scales[at[j] + kvh];
+    }
+  }
+}
+
+// Rows: how the cache is read; scalar_t: the query's and output's element type.
+template <typename Rows, typename scalar_t>
 void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                              const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                              const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                              const torch::Tensor& requests, const torch::Tensor& query_rows,
-                             float scale) {
-  using scalar_t = typename Rows::type;
+                             float scale, const tidal::OptionalTensor& k_scale,
+                             const tidal::OptionalTensor& v_scale) {
+  using cache_t = typename Rows::type;
   const int64_t rows = requests.numel(), heads = query.size(1), dim = query.size(2);
   const int64_t group = heads / key_cache.size(2);
   const int64_t row_elements = key_cache.stride(1);  // every KV head of one position
@@ -282,8 +299,10 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* keys = key_cache.data_ptr<scalar_t>();
-  const scalar_t* values = value_cache.data_ptr<scalar_t>();
+  const cache_t* keys = key_cache.data_ptr<cache_t>();
+  const cache_t* values = value_cache.data_ptr<cache_t>();
+  const float* key_scales = Rows::kScaled ? k_scale->data_ptr<float>() : nullptr;
+  const float* value_scales = Rows::kScaled ? v_scale->data_ptr<float>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
   std::vector<int64_t> element(dim);  // where lane l of chunk c sits in a head's row
   for (int64_t e = 0; e < dim; ++e) element[e] = Rows::element(e / kLanes, e % kLanes);
@@ -294,9 +313,10 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
     const int64_t state_floats = 2 * dim + kLanes;
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> offsets, at_scales;
+    std::vector<float> block_scales(Rows::kScaled ? 2 * key_cache.size(2) * kLanes : 0);
     std::vector<const char*> groups(
-        2 * kLanes * ((row_elements * sizeof(scalar_t) + kGroupBytes - 1) / kGroupBytes));
+        2 * kLanes * ((row_elements * sizeof(cache_t) + kGroupBytes - 1) / kGroupBytes));
     for (int64_t i; (i = items.next()) >= 0;) {
       const int64_t r = req[i], len = lens[r];
       const scalar_t* qi = q + qrow[i] * query.stride(0);
@@ -309,6 +329,8 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                               acc.data() + h * state_floats};
       tidal::context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
+      if (Rows::kScaled) tidal::scale_offsets(offsets, dim, at_scales);
+      const int64_t kv_heads = key_cache.size(2);
       const int64_t first_groups = future_groups(keys, values, offsets.data(), 0, len,
                                                  row_elements, groups);
       for (int64_t g = 0; g < first_groups; ++g) prefetch_group(groups[g]);
@@ -317,12 +339,17 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
         const int64_t count = future_groups(keys, values, offsets.data(), p0 + kPrefetchAhead,
                                             len, row_elements, groups);
         const int64_t per_head = (count + heads - 1) / heads;
+        if (Rows::kScaled) gather_block_scales(key_scales, value_scales, at_scales.data() + p0,
+                                               kv_heads, block_scales.data());
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t head_offset = (h / group) * dim;
           const int64_t first = std::min(count, h * per_head);
+          const float* kv_scales = block_scales.data() + 2 * (h / group) * kLanes;
+          const Scales head_scales{kv_scales, kv_scales + kLanes};
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
                  offsets.data() + p0, n,
-                 Groups{groups.data() + first, std::min(count, first + per_head) - first});
+                 Groups{groups.data() + first, std::min(count, first + per_head) - first},
+                 head_scales);
         }
       }
       scalar_t* oi = o + qrow[i] * out.stride(0);
@@ -345,19 +372,25 @@ bool decode_attention_supports(int64_t head_dim) {
 void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
-                      double scale) {
-  check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows);
-  const auto run = [&](auto rows) {
-    decode_attention_kernel<decltype(rows)>(out, query, key_cache, value_cache, block_table,
-                                            seq_lens, requests, query_rows,
-                                            static_cast<float>(scale));
+                      double scale, c10::optional<torch::Tensor> k_scale,
+                      c10::optional<torch::Tensor> v_scale) {
+  check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
+               k_scale, v_scale);
+  const auto run = [&](auto rows, auto element) {
+    decode_attention_kernel<decltype(rows), decltype(element)>(
+        out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
+        static_cast<float>(scale), k_scale, v_scale);
   };
+  const bool int8 = key_cache.scalar_type() == torch::kInt8;
   switch (query.scalar_type()) {
-    case at::ScalarType::Float: return run(PlainRows<float>{});
+    case at::ScalarType::Float:
+      return int8 ? run(Int8Rows{}, float{}) : run(PlainRows<float>{}, float{});
     case at::ScalarType::BFloat16:
-      if (query.size(2) % (2 * kLanes) == 0) return run(PairedBf16Rows{});
-      return run(PlainRows<c10::BFloat16>{});
-    case at::ScalarType::Half: return run(PlainRows<c10::Half>{});
+      if (int8) return run(Int8Rows{}, c10::BFloat16{});
+      if (query.size(2) % (2 * kLanes) == 0) return run(PairedBf16Rows{}, c10::BFloat16{});
+      return run(PlainRows<c10::BFloat16>{}, c10::BFloat16{});
+    case at::ScalarType::Half:
+      return int8 ? run(Int8Rows{}, c10::Half{}) : run(PlainRows<c10::Half>{}, c10::Half{});
     default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 expected");
   }
 }

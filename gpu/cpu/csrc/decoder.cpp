@@ -3,7 +3,10 @@
 // order and by the same plans (its linears are the model's PlannedLinears), so its hidden
 // states are bitwise the same. What it removes is the interpreter between the kernels, a good
 // part of a small model's step, and it holds no GIL from start to end, so a server's event
-// loop runs its Python while the step computes instead of between the step's kernels.
+// loop runs its Python while the step computes instead of between the step's kernels. An int8
+// KV cache (gpu/attention/kv_quant.py) takes the same path: each layer then has four cache
+// tensors, the int8 keys and values and their scales, which the cache write and decode
+// attention take as the Python model's do.
 
 #include <torch/extension.h>
 
@@ -38,12 +41,16 @@ class DecodeStack {
   }
 
   // Final normalised hidden states [tokens, hidden] of a step whose every request has one
-  // query row; kv_caches is (key, value) of each layer in turn.
+  // query row; kv_caches is (key, value) of each layer in turn, or for an int8 cache (key,
+  // value, key scales, value scales).
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions,
                         const std::vector<torch::Tensor>& kv_caches, torch::Tensor slot_mapping,
                         torch::Tensor block_table, torch::Tensor seq_lens,
                         torch::Tensor requests, torch::Tensor query_rows) const {
-    TORCH_CHECK(kv_caches.size() == 2 * layers_.size(), "a key and a value cache per layer");
+    const size_t per_layer = layers_.empty() ? 2 : kv_caches.size() / layers_.size();
+    TORCH_CHECK((per_layer == 2 || per_layer == 4) &&
+                    kv_caches.size() == per_layer * layers_.size(),
+                "a key and a value cache per layer (with their scales for an int8 cache)");
     torch::Tensor x = embedding_.index_select(0, input_ids), delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -53,8 +60,9 @@ class DecodeStack {
       } else {
         std::tie(x, h) = add_rms_norm(x, delta, layer.input_norm, eps_);
       }
-      torch::Tensor attn = attention(layer, h, positions, kv_caches[2 * i], kv_caches[2 * i + 1],
-                                     slot_mapping, block_table, seq_lens, requests, query_rows);
+      const torch::Tensor* caches = kv_caches.data() + per_layer * i;
+      torch::Tensor attn = attention(layer, h, positions, caches, per_layer == 4, slot_mapping,
+                                     block_table, seq_lens, requests, query_rows);
       std::tie(x, h) = add_rms_norm(x, attn, layer.post_norm, eps_);
       delta = layer.down(silu_and_mul(layer.gate_up(h)));
     }
@@ -62,9 +70,10 @@ class DecodeStack {
   }
 
  private:
+  // caches: the layer's key and value caches, then their scales where `scaled` (int8).
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h,
-                          const torch::Tensor& positions, const torch::Tensor& key_cache,
-                          const torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                          const torch::Tensor& positions, const torch::Tensor* caches,
+                          bool scaled, const torch::Tensor& slot_mapping,
                           const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                           const torch::Tensor& requests, const torch::Tensor& query_rows) const {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -73,10 +82,15 @@ class DecodeStack {
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     rotary_embedding(q, k, cos_, sin_, positions);
-    write_kv(k, v, key_cache, value_cache, slot_mapping);
+    c10::optional<torch::Tensor> k_scale, v_scale;
+    if (scaled) {
+      k_scale = caches[2];
+      v_scale = caches[3];
+    }
+    write_kv(k, v, caches[0], caches[1], slot_mapping, k_scale, v_scale);
     torch::Tensor out = torch::empty({q.size(0), num_heads_, head_dim_}, q.options());
-    decode_attention(out, q, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
-                     scale_);
+    decode_attention(out, q, caches[0], caches[1], block_table, seq_lens, requests, query_rows,
+                     scale_, k_scale, v_scale);
     return layer.o(out.view({-1, q_size}));
   }
 

@@ -19,6 +19,7 @@
 #define TIDAL_HAS_MXCSR 1
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -97,19 +98,63 @@ void rotate_in_place(torch::Tensor& x, const float* cos, const float* sin, const
   }
 }
 
+// Quantizes each head vector of rows [n, kv_heads, head_dim] of x into an int8 cache at its
+// slot, with its scale (max |x| / 127, times the float32 of 1/127 as the torch reference does)
+// beside it: as gpu/attention/kv_quant.py's quantize_heads, to the bit.
+template <typename scalar_t>
+void quantize_rows(const torch::Tensor& x, const int64_t* slots, int64_t n, torch::Tensor& cache,
+                   torch::Tensor& scales) {
+  const int64_t heads = cache.size(2), dim = cache.size(3);
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  int8_t* to = cache.data_ptr<int8_t>();
+  float* scale_to = scales.data_ptr<float>();
+  constexpr float kInverse127 = static_cast<float>(1.0 / 127.0);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* row = in + t * x.stride(0) + h * x.stride(1);
+        float most = 0.f;
+        for (int64_t e = 0; e < dim; ++e)
+          most = std::max(most, std::abs(static_cast<float>(row[e])));
+        const float scale = most * kInverse127;
+        const float divisor = scale > 0.f ? scale : 1.f;
+        int8_t* q = to + (slots[t] * heads + h) * dim;
+        for (int64_t e = 0; e < dim; ++e) {
+          const float v = std::nearbyint(static_cast<float>(row[e]) / divisor);
+          q[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        }
+        scale_to[slots[t] * heads + h] = scale;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Stores key/value rows [tokens, kv_heads, head_dim] (rows may be strided, heads contiguous)
 // at their cache slots; a slot of -1 (a padded row) is skipped.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-              torch::Tensor value_cache, torch::Tensor slot_mapping) {
+              torch::Tensor value_cache, torch::Tensor slot_mapping,
+              c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   const int64_t n = slot_mapping.numel();
+  const bool int8 = key_cache.scalar_type() == torch::kInt8;
   for (const auto& x : {key, value}) {
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 &&
                     x.stride(1) == x.size(2) && x.size(0) >= n &&
                     x.size(1) * x.size(2) == key_cache.stride(1) &&
-                    x.scalar_type() == key_cache.scalar_type(),
-                "key/value must be [tokens, kv_heads, head_dim] rows in the cache's dtype");
+                    x.scalar_type() == (int8 ? key.scalar_type() : key_cache.scalar_type()),
+                "key/value must be [tokens, kv_heads, head_dim] rows in the cache's dtype (one "
+                "dtype, any, for an int8 cache)");
+  }
+  if (int8) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->device().is_cpu() && s->scalar_type() == torch::kFloat32 &&
+                      s->is_contiguous() && s->numel() == key_cache.numel() / key_cache.size(3),
+                  "scales must be contiguous float32 [blocks, block_size, kv_heads]");
+  } else {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales go with an int8 cache");
   }
   TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
                   key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -122,6 +167,13 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range");
+  }
+  if (int8) {
+    TIDAL_DISPATCH(key.scalar_type(), "write_kv", [&] {
+      quantize_rows<scalar_t>(key, slots, n, key_cache, *k_scale);
+      quantize_rows<scalar_t>(value, slots, n, value_cache, *v_scale);
+    });
+    return;
   }
   const int64_t row_bytes = key_cache.stride(1) * key_cache.element_size();
   auto copy_rows = [&](const torch::Tensor& src, torch::Tensor& cache) {
@@ -254,16 +306,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "set or clear denormal flushing on this thread; returns the previous setting");
   m.def("flush_denormals_in_pool", &flush_denormals_in_pool,
         "flush denormals to zero on torch's worker threads");
-  m.def("write_kv", &write_kv, "store key/value rows at their cache slots");
+  m.def("write_kv", &write_kv, "store key/value rows at their cache slots (int8: quantized)",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, normalised in float32 (HF's order of rounding)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) in one pass");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of query and key, in place");
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head_dim");
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
-        "softmax(q.K) V of decode rows over the paged cache, in one pass");
+        "softmax(q.K) V of decode rows over the paged cache, in one pass", py::arg("out"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("requests"), py::arg("query_rows"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
-        "causal softmax(q.K) V of prefill chunks over the paged cache (float32)");
+        "causal softmax(q.K) V of prefill chunks over the paged cache (float32)",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"),
+        py::arg("requests"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, first NaN)");
   m.def("decode_inputs", &decode_inputs, "a decode step's flattened inputs in one call");
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),

@@ -18,9 +18,12 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
                       torch::Tensor sin, torch::Tensor positions);
 
-// kernels.cpp: key/value rows into the paged caches at their slots (-1: skipped).
+// kernels.cpp: key/value rows into the paged caches at their slots (-1: skipped); into an int8
+// cache quantized per head vector, with the scales into k_scale/v_scale.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-              torch::Tensor value_cache, torch::Tensor slot_mapping);
+              torch::Tensor value_cache, torch::Tensor slot_mapping,
+              c10::optional<torch::Tensor> k_scale = c10::nullopt,
+              c10::optional<torch::Tensor> v_scale = c10::nullopt);
 
 // linear.cpp: W [out_features, in_features] float32 -> the panels packed_linear reads.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
@@ -66,19 +69,23 @@ void bind_planned_linear(py::module& m);
 bool decode_attention_supports(int64_t head_dim);
 
 // attention.cpp: out[query_rows[i]] = softmax(scale * q.K) V over request requests[i]'s
-// paged context, for every decode row i.
+// paged context, for every decode row i; an int8 cache comes with its scales.
 void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
-                      double scale);
+                      double scale, c10::optional<torch::Tensor> k_scale = c10::nullopt,
+                      c10::optional<torch::Tensor> v_scale = c10::nullopt);
 
 // prefill_attention.cpp: causal attention of the query rows of every request in
 // `requests` (rows query_start_loc[r]:query_start_loc[r + 1], the last ones of its context)
-// over its paged context, into the same rows of out; float32, decode_attention's head sizes.
+// over its paged context, into the same rows of out; float32 queries over a float32 cache, or
+// an int8 one with its scales; decode_attention's head sizes.
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor block_table,
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                       torch::Tensor requests, double scale);
+                       torch::Tensor requests, double scale,
+                       c10::optional<torch::Tensor> k_scale = c10::nullopt,
+                       c10::optional<torch::Tensor> v_scale = c10::nullopt);
 
 // activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
 torch::Tensor silu_and_mul(torch::Tensor x);

@@ -4,7 +4,9 @@
 //
 // Shapes: query/out [tokens, heads, head_dim]; key_cache/value_cache
 // [blocks, block_size, kv_heads, head_dim]; block_table [requests, max_blocks] int32;
-// seq_lens [requests] int32.
+// seq_lens [requests] int32. An int8 cache comes with float32 scales k_scale/v_scale
+// [blocks, block_size, kv_heads], one per position and KV head (gpu/attention/kv_quant.py);
+// a float cache is in the query's dtype and has none.
 #pragma once
 
 #include "kernels.h"
@@ -17,18 +19,40 @@
 
 namespace tidal {
 
+using OptionalTensor = c10::optional<torch::Tensor>;
+
+// An int8 cache has a scale per position and KV head, float32, contiguous; another has none.
+inline void check_cache_scales(const torch::Tensor& key_cache, const OptionalTensor& k_scale,
+                               const OptionalTensor& v_scale) {
+  if (key_cache.scalar_type() != torch::kInt8) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales go with an int8 cache");
+    return;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
+  for (const auto* s : {&*k_scale, &*v_scale})
+    TORCH_CHECK(s->device().is_cpu() && s->scalar_type() == torch::kFloat32 &&
+                    s->is_contiguous() && s->dim() == 3 && s->size(0) == key_cache.size(0) &&
+                    s->size(1) == key_cache.size(1) && s->size(2) == key_cache.size(2),
+                "scales must be contiguous float32 [blocks, block_size, kv_heads]");
+}
+
 inline void check_paged_attention_inputs(const torch::Tensor& out, const torch::Tensor& query,
                                          const torch::Tensor& key_cache,
                                          const torch::Tensor& value_cache,
                                          const torch::Tensor& block_table,
-                                         const torch::Tensor& seq_lens) {
+                                         const torch::Tensor& seq_lens,
+                                         const OptionalTensor& k_scale = c10::nullopt,
+                                         const OptionalTensor& v_scale = c10::nullopt) {
   for (const auto& t : {out, query, key_cache, value_cache, block_table, seq_lens})
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors expected");
+  check_cache_scales(key_cache, k_scale, v_scale);
+  const bool int8 = key_cache.scalar_type() == torch::kInt8;
   for (const auto& x : {out, query})
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
-                    x.sizes() == query.sizes() && x.scalar_type() == key_cache.scalar_type(),
-                "query/out must be [tokens, heads, head_dim] in the cache's dtype, rows "
-                "contiguous");
+                    x.sizes() == query.sizes() && x.scalar_type() == query.scalar_type() &&
+                    (int8 || x.scalar_type() == key_cache.scalar_type()),
+                "query/out must be [tokens, heads, head_dim] in the cache's dtype (any with "
+                "an int8 cache), rows contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
@@ -72,6 +96,15 @@ inline void context_offsets(const int32_t* blocks, int64_t len, int64_t block_si
     for (int64_t t = 0; t < block_size && p < len; ++t, ++p) offsets[p] = base + t * token_stride;
   }
   std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+}
+
+// Where the scales of the positions at `offsets` sit in an int8 cache's scale tensors (before
+// the KV head is added): a cache row's offset over head_dim, as the scales are laid out like
+// the cache without its last dimension.
+inline void scale_offsets(const std::vector<int64_t>& offsets, int64_t head_dim,
+                          std::vector<int64_t>& out) {
+  out.resize(offsets.size());
+  for (size_t p = 0; p < offsets.size(); ++p) out[p] = offsets[p] / head_dim;
 }
 
 }  // namespace tidal

@@ -27,7 +27,9 @@
 //
 // Shapes as in paged.h; query_start_loc [requests + 1] int32 (request r's rows are
 // query[query_start_loc[r]:query_start_loc[r + 1]]); requests [n] int64, the requests to
-// attend. float32 only: other dtypes keep torch's path.
+// attend. float32 queries only: other dtypes keep torch's path. The cache is float32 or int8
+// with its scales (gpu/attention/kv_quant.py): each tile of an int8 cache's keys and values is
+// then dequantized into a small float buffer first, and attended from there.
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA in this file only
 
@@ -38,6 +40,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,8 +82,10 @@ Chunk request_chunk(const int32_t* qsl, const int32_t* lens, int64_t r, int64_t 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
                   const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                  const torch::Tensor& query_start_loc, const torch::Tensor& requests) {
-  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens);
+                  const torch::Tensor& query_start_loc, const torch::Tensor& requests,
+                  const tidal::OptionalTensor& k_scale, const tidal::OptionalTensor& v_scale) {
+  tidal::check_paged_attention_inputs(out, query, key_cache, value_cache, block_table, seq_lens,
+                                      k_scale, v_scale);
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "prefill_attention: float32 expected");
   TORCH_CHECK(query_start_loc.device().is_cpu() && requests.device().is_cpu(),
               "CPU tensors expected");
@@ -144,12 +149,42 @@ void tile_values(float* ot, V alpha, const V p[kKeys], const float* values,
   }
 }
 
+// An int8 cache's scales for one KV head: position p's key scale is k[at[p]] and its value
+// scale v[at[p]]. Unused (null) for a float32 cache.
+struct Scales {
+  const float* k;
+  const float* v;
+  const int64_t* at;
+};
+
+// An int8 tile's kKeys key and value rows (at offsets[k0], ...), dequantized by their scales
+// into float rows of DIM at tile (keys) and tile + kKeys DIM (values): widened a vector at a
+// time once a tile, where widening each element as it was broadcast made prefill over an int8
+// cache 2-3x slower than over a float32 one.
+template <int DIM>
+void dequantize_tile(const int8_t* keys, const int8_t* values, const int64_t* offsets,
+                     Scales scales, int64_t k0, float* tile) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const V key_scale = tidal::splat<V>(scales.k[scales.at[k0 + j]]);
+    const V value_scale = tidal::splat<V>(scales.v[scales.at[k0 + j]]);
+    const int8_t* k = keys + offsets[k0 + j];
+    const int8_t* v = values + offsets[k0 + j];
+    for (int64_t d = 0; d < DIM; d += kRows) {
+      tidal::store(tile + j * DIM + d, tidal::load<V>(k + d) * key_scale);
+      tidal::store(tile + (kKeys + j) * DIM + d, tidal::load<V>(v + d) * value_scale);
+    }
+  }
+}
+
 // One item over its context: qt [DIM][kRows] (scaled queries), positions[k] the position of
 // row k, in increasing order; leaves the unnormalised output in ot [DIM][kRows] and returns
-// the softmax sums.
-template <int DIM>
-V attend_rows(const float* qt, V positions, const float* keys, const float* values,
-              const int64_t* offsets, float* ot) {
+// the softmax sums. An int8 cache's tiles are dequantized into `tile` (2 kKeys DIM floats).
+template <int DIM, typename cache_t>
+V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* values,
+              const int64_t* offsets, Scales scales, float* tile, float* ot) {
+  constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
+  int64_t tile_offsets[kKeys];  // where each key's row sits in the dequantized tile
+  for (int64_t j = 0; j < kKeys; ++j) tile_offsets[j] = j * DIM;
   const V minus_inf = tidal::splat<V>(kMinusInf);
   std::fill(ot, ot + DIM * kRows, 0.f);
   V running_max = minus_inf, sums{};
@@ -157,7 +192,12 @@ V attend_rows(const float* qt, V positions, const float* keys, const float* valu
   const int64_t end = static_cast<int64_t>(positions[kRows - 1]) + 1;  // keys to attend
   for (int64_t k0 = 0; k0 < end; k0 += kKeys) {
     V s[kKeys], p[kKeys];
-    tile_scores<DIM>(qt, keys, offsets + k0, s);
+    if constexpr (kScaled) {
+      dequantize_tile<DIM>(keys, values, offsets, scales, k0, tile);
+      tile_scores<DIM>(qt, tile, tile_offsets, s);
+    } else {
+      tile_scores<DIM>(qt, keys, offsets + k0, s);
+    }
     if (k0 + kKeys - 1 > first_position) {  // the tile crosses the diagonal: mask the future
       for (int64_t j = 0; j < kKeys; ++j)
         s[j] = positions < static_cast<float>(k0 + j) ? minus_inf : s[j];
@@ -176,17 +216,23 @@ V attend_rows(const float* qt, V positions, const float* keys, const float* valu
     }
     sums = sums * alpha + tile_sum;
     running_max = new_max;
-    tile_values<DIM>(ot, alpha, p, values, offsets + k0, n);
+    if constexpr (kScaled) {
+      tile_values<DIM>(ot, alpha, p, tile + kKeys * DIM, tile_offsets, n);
+    } else {
+      tile_values<DIM>(ot, alpha, p, values, offsets + k0, n);
+    }
   }
   return sums;
 }
 
-template <int DIM>
+template <int DIM, typename cache_t>
 void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                     const torch::Tensor& query_start_loc, const torch::Tensor& requests,
-                    float scale) {
+                    float scale, const tidal::OptionalTensor& k_scale,
+                    const tidal::OptionalTensor& v_scale) {
+  constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   const int64_t heads = query.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -200,13 +246,15 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
       for (int64_t first = 0; first < rows; first += kRows) items.push_back({req[i], h, first});
   }
   const float* q = query.data_ptr<float>();
-  const float* keys = key_cache.data_ptr<float>();
-  const float* values = value_cache.data_ptr<float>();
+  const cache_t* keys = key_cache.data_ptr<cache_t>();
+  const cache_t* values = value_cache.data_ptr<cache_t>();
+  const float* key_scales = kScaled ? k_scale->data_ptr<float>() : nullptr;
+  const float* value_scales = kScaled ? v_scale->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
 
   tidal::parallel_items(static_cast<int64_t>(items.size()), [&](tidal::ItemSource& source) {
-    std::vector<float> qt(DIM * kRows), ot(DIM * kRows);
-    std::vector<int64_t> offsets, token(kRows), head(kRows);
+    std::vector<float> qt(DIM * kRows), ot(DIM * kRows), tile(kScaled ? 2 * kKeys * DIM : 0);
+    std::vector<int64_t> offsets, at_scales, token(kRows), head(kRows);
     int64_t offsets_of = -1;  // the request `offsets` was made for
     for (int64_t i; (i = source.next()) >= 0;) {
       const Item& item = items[i];
@@ -226,11 +274,16 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
         tidal::context_offsets(table + item.request * block_table.stride(0), c.len,
                                key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
                                offsets);
+        if (kScaled) tidal::scale_offsets(offsets, DIM, at_scales);
         offsets_of = item.request;
       }
       const int64_t kv_offset = item.kv_head * DIM;
+      const Scales scales = kScaled ? Scales{key_scales + item.kv_head,
+                                             value_scales + item.kv_head, at_scales.data()}
+                                    : Scales{nullptr, nullptr, nullptr};
       const V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
-                                      values + kv_offset, offsets.data(), ot.data());
+                                      values + kv_offset, offsets.data(), scales, tile.data(),
+                                      ot.data());
       for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not one per row
         tidal::store(ot.data() + d * kRows, tidal::load<V>(ot.data() + d * kRows) / sums);
       for (int64_t k = 0; k < rows; ++k) {
@@ -241,25 +294,33 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
   });
 }
 
+// prefill_kernel for the query's head_dim.
+template <typename cache_t, typename... Args>
+void dispatch_dim(torch::Tensor& out, const torch::Tensor& query, Args&&... args) {
+  switch (query.size(2)) {
+    case 32: return prefill_kernel<32, cache_t>(out, query, args...);
+    case 64: return prefill_kernel<64, cache_t>(out, query, args...);
+    case 80: return prefill_kernel<80, cache_t>(out, query, args...);
+    case 96: return prefill_kernel<96, cache_t>(out, query, args...);
+    case 128: return prefill_kernel<128, cache_t>(out, query, args...);
+    case 256: return prefill_kernel<256, cache_t>(out, query, args...);
+    default: TORCH_CHECK(false, "prefill_attention: head_dim ", query.size(2), " unsupported");
+  }
+}
+
 }  // namespace
 
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor block_table,
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                       torch::Tensor requests, double scale) {
+                       torch::Tensor requests, double scale,
+                       c10::optional<torch::Tensor> k_scale,
+                       c10::optional<torch::Tensor> v_scale) {
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-               requests);
-  const auto run = [&](auto kernel) {
-    kernel(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
-           static_cast<float>(scale));
-  };
-  switch (query.size(2)) {
-    case 32: return run(prefill_kernel<32>);
-    case 64: return run(prefill_kernel<64>);
-    case 80: return run(prefill_kernel<80>);
-    case 96: return run(prefill_kernel<96>);
-    case 128: return run(prefill_kernel<128>);
-    case 256: return run(prefill_kernel<256>);
-    default: TORCH_CHECK(false, "prefill_attention: head_dim ", query.size(2), " unsupported");
-  }
+               requests, k_scale, v_scale);
+  if (key_cache.scalar_type() == torch::kInt8) return dispatch_dim<int8_t>(
+      out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
+      static_cast<float>(scale), k_scale, v_scale);
+  dispatch_dim<float>(out, query, key_cache, value_cache, block_table, seq_lens,
+                      query_start_loc, requests, static_cast<float>(scale), k_scale, v_scale);
 }
