@@ -9,6 +9,9 @@ architecture and shrinks every size, for CPU smoke runs.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +49,7 @@ BENCH_SHAPES: dict[str, dict] = {
         num_attention_heads=8, num_key_value_heads=4, vocab_size=4000,
         tie_word_embeddings=False, max_position_embeddings=4096),
 }
+SHARD_BYTES = 1 << 30  # a checkpoint shard's size, as hub checkpoints split them
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=1024)
 
@@ -66,8 +70,7 @@ def build_shaped_model_dir(path: str | Path, name: str, tiny: bool = False,
                            dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
     """A model directory of shape ``name`` under ``path`` (reused if already built)."""
     path = Path(path)
-    if all((path / f).is_file() for f in ("model.safetensors", "config.json",
-                                          "tokenizer.json")):  # written last
+    if all((path / f).is_file() for f in ("config.json", "tokenizer.json")):  # written last
         return path
     path.mkdir(parents=True, exist_ok=True)
     settings = shape_settings(name, tiny)
@@ -80,16 +83,39 @@ def build_shaped_model_dir(path: str | Path, name: str, tiny: bool = False,
         skeleton = AutoModelForCausalLM.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
-    for param_name, p in skeleton.state_dict().items():
-        if config.tie_word_embeddings and param_name == "lm_head.weight":
-            continue
-        tensors[param_name] = _random_weight(param_name, p.shape, dtype, device, gen)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    shapes = {name: p.shape for name, p in skeleton.state_dict().items()
+              if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    _save_shards(path, shapes, lambda n, s: _random_weight(n, s, dtype, device, gen))
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _save_shards(path: Path, shapes: dict[str, torch.Size],
+                 make: Callable[[str, torch.Size], torch.Tensor]) -> None:
+    """The weights in safetensors shards of at most ``SHARD_BYTES`` (one file if they fit),
+    each made only when its shard is written, so a large model never sits whole in memory."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * 2
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        save_file({n: make(n, shapes[n]) for n in shards[0]}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: make(n, shapes[n]) for n in names}, str(path / file),
+                  metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, device: str,
