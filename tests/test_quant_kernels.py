@@ -172,3 +172,16 @@ def test_an_int4_model_generates_as_on_torchs_path(model_dir):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
             for token, value in step_b.items():
                 assert step_a[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_kernels_off_leaves_torchs_paths_and_no_cpp_dispatch():
+    qw = quantize_int4(_weight(96), 32)
+    selector.set_mode("off")
+    try:
+        assert KERNELS not in candidate_methods(qw, torch.device("cpu"))
+        layer = QuantLinear(qw)
+        assert layer.kernel is None and layer.plan.used() == {ATEN}
+        x = torch.randn(3, K)
+        torch.testing.assert_close(layer(x), F.linear(x, qw.dequantize()), rtol=1e-4, atol=1e-4)
+    finally:
+        selector.set_mode(None)
