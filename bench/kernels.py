@@ -33,7 +33,6 @@ from gpu.cpu.kernels import target_isa
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
 from gpu.model_loader import prepare_for_cpu, read_model
-from gpu.quantization.apply import quantize_model
 from gpu.quantization.linear import QuantLinear, candidate_methods, plan_quant_linears
 from gpu.quantization.weights import QuantizedWeight
 
@@ -67,10 +66,9 @@ def print_table(plans: dict[str, dict]) -> None:
 
 def quant_plans(model_dir: Path, cfg: ModelConfig, fmt: str, max_rows: int) -> dict:
     """Every quantized linear shape of the model in ``fmt``, timed with a fresh plan cache."""
-    model = read_model(model_dir, cfg, get_attention_backend("cpu", "cpu"), 4096, torch.float32,
-                       "cpu")
     method, group = QUANT_FORMATS[fmt]
-    quantize_model(model, method, group)
+    model = read_model(model_dir, cfg, get_attention_backend("cpu", "cpu"), 4096, torch.float32,
+                       "cpu", method, group)
     with tempfile.TemporaryDirectory() as tmp:
         plans = plan_quant_linears(model, max_rows, PlanCache(Path(tmp)))
     return {name: plan.to_json() for name, plan in plans.items()}
