@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> list[BatchProfile]:
     ap.add_argument("--dtype", default="auto",
                     choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                    help="weight-only quantization of the decoder layers' linears at load")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     ap.add_argument("--out", default="profile_step",
                     help="results basename in bench/results ('' to skip writing)")
@@ -202,13 +204,14 @@ def main(argv: list[str] | None = None) -> list[BatchProfile]:
     model = args.model or str(bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama"))
     config = EngineConfig(model=model, dtype=args.dtype,
                           max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
-                          kv_cache_memory=args.kv_cache_memory)
+                          kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     results = run_event_loop(profile(config, args.batch_sizes, args.input_len, args.steps,
                                   args.functions))
     for result in results:
         print(format_profile(result))
     if args.out:
         path = write_result(args.out, {"model": model, "dtype": args.dtype,
+                                       "quantization": args.quantization,
                                        "input_len": args.input_len,
                                        "profiles": [asdict(r) for r in results]})
         print(f"wrote {path}")

@@ -28,7 +28,7 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def build_decode_stack(model: torch.nn.Module) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
     dtype or device, another attention backend, q/k norms, or linears without a C++
-    ``PlannedLinear`` (not packed, or quantized)."""
+    ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built)."""
     kernels = load_cpu_kernels()
     cfg = model.config
     embedding = model.embed_tokens.weight
@@ -39,7 +39,8 @@ def build_decode_stack(model: torch.nn.Module) -> Any | None:
     linears = [m for layer in model.layers for m in layer.modules()
                if isinstance(m, (PackedLinear, QuantLinear, torch.nn.Linear))]
     if (not all(isinstance(a.backend, CpuAttentionBackend) for a in attns)
-            or not all(isinstance(m, PackedLinear) and m.kernel is not None for m in linears)):
+            or not all(isinstance(m, (PackedLinear, QuantLinear)) and m.kernel is not None
+                       for m in linears)):
         return None
     rotary = attns[0].rotary
     stack = kernels.DecodeStack(embedding, model.norm.weight, rotary.cos, rotary.sin,

@@ -4,12 +4,20 @@ Which implementation multiplies depends on the format, the device and the row co
 CPU the selector (``gpu/cpu/selector.py``) times the candidates for each weight shape and row
 bucket, as it does for float linears:
 
+- ``tidal``: tidal's own kernel (``gpu/cpu/csrc/quant_linear.cpp``), float32 maths (bfloat16
+  activations are widened for it and the result rounded back):
+  int8, or 4-bit values two to a byte, in groups of a multiple of one register's floats (16 with
+  AVX-512, 8 with AVX2; twice that for 4-bit), dequantized in registers as it streams the weight;
 - ``aten``: torch's own fused ops, which dequantize inside the GEMM: ``_weight_int8pack_mm``
   (int8 with one scale per output channel) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups
   of 32 to 256 with a scale and a zero point);
 - ``torch``: the weight dequantized to the activations' dtype for the call and ``F.linear``
   over it. Always a candidate, and the reference the others are tested against; it never
   keeps a float copy of the weight between calls.
+
+Where the kernels are built, each layer's dispatch is a C++ ``PlannedLinear`` over a
+``QuantPack`` (``csrc/planned_linear.cpp``), which the Python layer and the one-call decode step
+(``gpu/cpu/decode_stack.py``) both call, so the two follow one plan and give the same results.
 """
 
 from __future__ import annotations
@@ -21,22 +29,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu import selector
-from gpu.cpu.selector import TORCH, Plan, PlanCache
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.quantization.weights import QuantizedWeight
 
 ATEN = "aten"
-METHODS = (ATEN, TORCH)  # in the order ``force`` prefers them
+METHODS = (KERNELS, ATEN, TORCH)  # in the order ``force`` prefers them
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations tidal's kernel takes
+CSRC_METHOD_BASE = 4  # csrc's LinearMethod of METHODS[i] is this + i (kQuantTidal, ...)
 ATEN_INT4_GROUPS = (32, 64, 128, 256)
 # Weights are timed with at most this many output features (the time grows in proportion).
 TIMED_MAX_OUT_FEATURES = 8192
 
 
-def candidate_methods(weight: QuantizedWeight, device: torch.device) -> list[str]:
-    """The methods that can multiply by ``weight`` on ``device``."""
+def candidate_methods(weight: QuantizedWeight, device: torch.device,
+                      dtype: torch.dtype = torch.float32) -> list[str]:
+    """The methods that can multiply by ``weight`` on ``device`` for activations of ``dtype``."""
     methods = []
+    if device.type == "cpu" and dtype in KERNEL_DTYPES and _tidal_fits(weight):
+        methods.append(KERNELS)
     if device.type == "cpu" and _aten_fits(weight):
         methods.append(ATEN)
     return methods + [TORCH]
+
+
+def _tidal_fits(w: QuantizedWeight) -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.quant_linear_supports(w.bits, w.group_size, w.shape[1])
 
 
 def _aten_fits(w: QuantizedWeight) -> bool:
@@ -50,25 +69,72 @@ class QuantPacks:
 
     def __init__(self, weight: QuantizedWeight, methods: set[str], dtype: torch.dtype) -> None:
         self.format = weight
+        self.bits, self.group_size = weight.bits, weight.group_size
+        self.out_features = weight.shape[0]
+        self.kernels = load_cpu_kernels() if weight.q.device.type == "cpu" else None
+        self.tidal = (pack_for_kernel(weight, *self.kernels.quant_linear_tile())
+                      if KERNELS in methods else None)
         self.aten = _aten_pack(weight, dtype) if ATEN in methods else None
 
     def run(self, method: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + b`` by ``method``, from Python (for timing, and where no kernels exist)."""
+        if method == KERNELS:
+            return self.kernels.quant_linear(x, *self.tidal, self.bits, self.group_size,
+                                             self.out_features, bias)
         if method == ATEN:
-            y = self.aten(x)
+            weight, scales = self.aten
+            y = (torch.ops.aten._weight_int8pack_mm(x, weight, scales) if self.bits == 8 else
+                 torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group_size, scales))
             return y if bias is None else y + bias
         return F.linear(x, self.format.dequantize(x.dtype), bias)
 
+    def kernel(self, bias: torch.Tensor | None, plan: Plan) -> object | None:
+        """The C++ ``PlannedLinear`` running ``plan`` over these layouts, or ``None`` without
+        the kernels."""
+        if self.kernels is None:
+            return None
+        w = self.format
+        pack = self.kernels.QuantPack(
+            self.bits, self.group_size, self.out_features,
+            *(self.tidal or (None, None)), *(self.aten or (None, None)),
+            *((w.q, w.scales, w.offsets) if w is not None else (None, None, None)))
+        return self.kernels.PlannedLinear(
+            bias, pack, [CSRC_METHOD_BASE + METHODS.index(m) for m in plan.by_rows()])
 
-def _aten_pack(w: QuantizedWeight, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+
+def pack_for_kernel(w: QuantizedWeight, lanes: int, rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in ``csrc/quant_linear.cpp``'s layout for a build whose registers hold ``lanes``
+    floats and whose items are ``rows`` output rows: (k-blocks of each item's rows, bytes;
+    each item's groups' scales then offsets, float32). The last item is padded with zero rows."""
+    n, k = w.shape
+    items = -(-n // rows)
+    pad = items * rows - n
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+    if w.bits == 4:  # byte j of a k-block: input j in the low nibble, j + lanes in the high
+        q = padded(w.q).view(items, rows, k // (2 * lanes), 2, lanes)
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+    else:
+        q = padded(w.q).view(torch.uint8).view(items, rows, k // lanes, lanes)
+    packed = q.permute(0, 2, 1, 3).contiguous().view(-1)
+    offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+    params = torch.stack([padded(t.float()).view(items, rows, -1).transpose(1, 2)
+                          for t in (w.scales, offsets)], dim=2)
+    return packed, params.contiguous().view(-1)
+
+
+def _aten_pack(w: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's packed weight and scales for ``_weight_int8pack_mm`` / ``_int4pack_mm``."""
     if w.bits == 8:
-        q, scales = w.q.contiguous(), w.scales.view(-1).to(dtype).contiguous()
-        return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scales)
+        return w.q.contiguous(), w.scales.view(-1).to(dtype).contiguous()
     # torch's int4 format dequantizes as (q - 8) * scale + zero, zeros [groups, out, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
     zeros = w.offsets + 8 * w.scales
     sz = torch.stack([w.scales, zeros], dim=-1).transpose(0, 1).to(dtype).contiguous()
-    group = w.group_size
-    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+    return packed, sz
 
 
 class QuantLinear(nn.Module):
@@ -84,11 +150,12 @@ class QuantLinear(nn.Module):
         # The weight's own form, until a plan packs it (``replan``); kept after only where the
         # plan runs torch's path, which dequantizes from it.
         self.weight_format: QuantizedWeight | None = weight
-        self.plan = plan or Plan.always(candidate_methods(weight, weight.q.device)[0])
+        self.plan = plan or Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
         self.packs = QuantPacks(weight, self.plan.used(), dtype)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype),
                              persistent=False)
-        self.kernel = None  # no C++ PlannedLinear: the one-call decode step does not take it
+        # The C++ PlannedLinear over the packs, which the one-call decode step calls too.
+        self.kernel = self.packs.kernel(self.bias, self.plan)
 
     @property
     def format_name(self) -> str:
@@ -103,12 +170,16 @@ class QuantLinear(nn.Module):
         self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype)
         if TORCH not in plan.used():
             self.packs.format = self.weight_format = None
+        self.kernel = self.packs.kernel(self.bias, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = self.packs.run(self.plan.pick(rows.shape[0]), rows, self.bias)
+        if self.kernel is not None:
+            y = self.kernel(rows)
+        else:
+            y = self.packs.run(self.plan.pick(rows.shape[0]), rows, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -144,7 +215,7 @@ def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None)
         w = layer.weight_format
         if w is None:
             continue  # planned already
-        methods = candidate_methods(w, w.q.device)
+        methods = candidate_methods(w, w.q.device, layer.dtype)
         name = "qlinear {}x{} {}|{}|{}".format(
             layer.out_features, layer.in_features, layer.format_name,
             str(layer.dtype).removeprefix("torch."), ",".join(methods))

@@ -338,6 +338,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 W [N, K] -> MKL's packed W^T, or None without MKL");
   m.def("mkl_linear", &mkl_linear, py::call_guard<py::gil_scoped_release>(),
         "y = x W^T + b over MKL's packed W^T (float32)");
+  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(),
+        "y = x W^T + b, W int8 or 4-bit in quant_linear_tile's layout (float32 x)");
+  m.def("quant_linear_tile", &quant_linear_tile,
+        "(floats in one register, output rows per item) of quant_linear's layout");
+  m.def("quant_linear_supports", &quant_linear_supports,
+        "whether quant_linear takes (bits, group_size, in_features)");
   m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
         "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
   bind_planned_linear(m);

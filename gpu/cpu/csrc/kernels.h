@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -45,19 +46,49 @@ c10::optional<torch::Tensor> mkl_pack_linear_weight(torch::Tensor weight);
 torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                          c10::optional<torch::Tensor> bias);
 
+// quant_linear.cpp: (floats in one register, output rows per item) of quant_linear's layout.
+std::vector<int64_t> quant_linear_tile();
+
+// quant_linear.cpp: whether quant_linear takes bits-bit values in groups of group_size.
+bool quant_linear_supports(int64_t bits, int64_t group_size, int64_t in_features);
+
+// quant_linear.cpp: y = x W^T + b for float32 (or bfloat16) x, W quantized in
+// quant_linear_tile's layout.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor params,
+                           int64_t bits, int64_t group_size, int64_t out_features,
+                           c10::optional<torch::Tensor> bias);
+
 // planned_linear.cpp: a linear layer whose plan names, for each row count, which packed copy
 // of its weight runs it. Methods: 0 tidal's panels, 1 MKL's pack, 2 oneDNN's pack, 3 torch's
-// at::linear over the plain weight [out_features, in_features].
-enum LinearMethod : int64_t { kPanels = 0, kMkl = 1, kOneDnn = 2, kTorch = 3 };
+// at::linear over the plain weight [out_features, in_features]; for a quantized weight
+// (QuantPack), 4 tidal's quant_linear, 5 torch's fused int8/int4 op, 6 at::linear over the
+// weight dequantized for the call.
+enum LinearMethod : int64_t {
+  kPanels = 0, kMkl = 1, kOneDnn = 2, kTorch = 3, kQuantTidal = 4, kQuantAten = 5, kQuantTorch = 6
+};
+
+// A quantized weight in the layouts its plan uses (gpu/quantization/linear.py's QuantPacks).
+struct QuantPack {
+  int64_t bits, group_size, out_features;
+  c10::optional<torch::Tensor> packed, params;            // quant_linear's layout
+  c10::optional<torch::Tensor> aten_weight, aten_scales;  // torch's int8pack / int4pack forms
+  c10::optional<torch::Tensor> q, scales, offsets;        // the weight's own form
+
+  torch::Tensor operator()(int64_t method, const torch::Tensor& x,
+                           const c10::optional<torch::Tensor>& bias) const;
+};
 
 struct PlannedLinear {
   int64_t out_features;
   c10::optional<torch::Tensor> bias, panels, mkl_packed, onednn_packed, plain;
+  std::shared_ptr<const QuantPack> quant;  // set for a quantized weight
   std::vector<int64_t> by_rows;  // the method for 0, 1, 2, ... rows; the last for more
 
   PlannedLinear(int64_t out_features, c10::optional<torch::Tensor> bias,
                 c10::optional<torch::Tensor> panels, c10::optional<torch::Tensor> mkl_packed,
                 c10::optional<torch::Tensor> onednn_packed, c10::optional<torch::Tensor> plain,
+                std::vector<int64_t> by_rows);
+  PlannedLinear(c10::optional<torch::Tensor> bias, const QuantPack& quant,
                 std::vector<int64_t> by_rows);
   int64_t method(int64_t rows) const;
   torch::Tensor operator()(const torch::Tensor& x) const;

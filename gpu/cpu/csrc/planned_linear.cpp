@@ -1,8 +1,9 @@
 // A linear layer that runs each call on the implementation its plan names for that many rows
 // (gpu/cpu/selector.py times them on the host): tidal's panel GEMM (linear.cpp), MKL's packed
-// GEMM (mkl_linear.cpp), oneDNN's packed linear, or torch's own at::linear. The Python layers
-// (PackedLinear) and the one-call decode step (decoder.cpp) both call it, so the two follow
-// one plan.
+// GEMM (mkl_linear.cpp), oneDNN's packed linear, or torch's own at::linear; for a quantized
+// weight, tidal's quant_linear.cpp, torch's fused int8/int4 ops or the dequantized weight. The
+// Python layers (PackedLinear, QuantLinear) and the one-call decode step (decoder.cpp) both
+// call it, so the two follow one plan.
 
 #include "kernels.h"
 
@@ -46,13 +47,24 @@ PlannedLinear::PlannedLinear(int64_t out_features, c10::optional<torch::Tensor> 
     TORCH_CHECK(m >= kPanels && m <= kTorch, "unknown linear method ", m);
 }
 
+PlannedLinear::PlannedLinear(c10::optional<torch::Tensor> bias, const QuantPack& quant,
+                             std::vector<int64_t> by_rows)
+    : out_features(quant.out_features), bias(std::move(bias)),
+      quant(std::make_shared<const QuantPack>(quant)), by_rows(std::move(by_rows)) {
+  TORCH_CHECK(!this->by_rows.empty(), "a plan needs at least one choice");
+  for (int64_t m : this->by_rows)
+    TORCH_CHECK(m >= kQuantTidal && m <= kQuantTorch, "unknown quantized linear method ", m);
+}
+
 int64_t PlannedLinear::method(int64_t rows) const {
   const size_t i = std::min<size_t>(static_cast<size_t>(rows), by_rows.size() - 1);
   return by_rows[i];
 }
 
 torch::Tensor PlannedLinear::operator()(const torch::Tensor& x) const {
-  switch (method(x.size(0))) {
+  const int64_t m = method(x.size(0));
+  if (quant) return (*quant)(m, x, bias);
+  switch (m) {
     case kPanels:
       return packed_linear(x, need(panels, "panels"), out_features, bias);
     case kMkl:
@@ -65,12 +77,29 @@ torch::Tensor PlannedLinear::operator()(const torch::Tensor& x) const {
 }
 
 void bind_planned_linear(py::module& m) {
+  py::class_<QuantPack>(m, "QuantPack")
+      .def(py::init([](int64_t bits, int64_t group_size, int64_t out_features,
+                       c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> params,
+                       c10::optional<torch::Tensor> aten_weight,
+                       c10::optional<torch::Tensor> aten_scales, c10::optional<torch::Tensor> q,
+                       c10::optional<torch::Tensor> scales,
+                       c10::optional<torch::Tensor> offsets) {
+             return QuantPack{bits, group_size, out_features, packed, params, aten_weight,
+                              aten_scales, q, scales, offsets};
+           }),
+           py::arg("bits"), py::arg("group_size"), py::arg("out_features"), py::arg("packed"),
+           py::arg("params"), py::arg("aten_weight"), py::arg("aten_scales"), py::arg("q"),
+           py::arg("scales"), py::arg("offsets"))
+      .def("__call__", &QuantPack::operator(), py::call_guard<py::gil_scoped_release>(),
+           "y = x W^T + b by method (kQuantTidal, kQuantAten or kQuantTorch)");
   py::class_<PlannedLinear>(m, "PlannedLinear")
       .def(py::init<int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, std::vector<int64_t>>(),
            py::arg("out_features"), py::arg("bias"), py::arg("panels"), py::arg("mkl_packed"),
            py::arg("onednn_packed"), py::arg("plain"), py::arg("by_rows"))
+      .def(py::init<c10::optional<torch::Tensor>, const QuantPack&, std::vector<int64_t>>(),
+           py::arg("bias"), py::arg("quant"), py::arg("by_rows"))
       .def("__call__", &PlannedLinear::operator(), py::call_guard<py::gil_scoped_release>(),
            "y = x W^T + b for x [rows, in_features], by the plan's method for that many rows")
       .def("method", &PlannedLinear::method, "the method index the plan names for rows");
