@@ -97,3 +97,14 @@ def test_planning_keeps_only_the_layouts_the_plan_uses(tmp_path, monkeypatch):
     x = torch.randn(2, 256)
     ref = F.linear(x, quantize_int4(_weight(), 32).dequantize())
     torch.testing.assert_close(model[0](x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_large_quantized_model_keeps_one_layout_per_weight(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
+    model = torch.nn.Sequential(QuantLinear(quantize_int4(_weight(), 32)))
+    # the kernel wins one row, torch's path more: two layouts, unless the weights are too big
+    cache = PlanCache(tmp_path, key={"host": "test"},
+                      timer=lambda name, fn, calls: (fn(), 1.0 if (name == TORCH) else 3.0)[1])
+    plans = plan_quant_linears(model, 8, cache, two_layouts_max_bytes=0)
+    assert all(len(p.used()) == 1 for p in plans.values())
+    assert len(model[0].plan.used()) == 1

@@ -30,6 +30,7 @@ from torch import nn
 
 from gpu.cpu import selector
 from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.quantization.weights import QuantizedWeight
 
@@ -150,12 +151,15 @@ class QuantLinear(nn.Module):
         # The weight's own form, until a plan packs it (``replan``); kept after only where the
         # plan runs torch's path, which dequantizes from it.
         self.weight_format: QuantizedWeight | None = weight
-        self.plan = plan or Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
-        self.packs = QuantPacks(weight, self.plan.used(), dtype)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype),
                              persistent=False)
-        # The C++ PlannedLinear over the packs, which the one-call decode step calls too.
-        self.kernel = self.packs.kernel(self.bias, self.plan)
+        self.plan = plan or Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
+        # Packed when planned (a model planned on the CPU is packed once, for its plan), else
+        # on the first call.
+        self.packs: QuantPacks | None = None
+        self.kernel = None  # the C++ PlannedLinear over the packs, which the decode step calls
+        if plan is not None:
+            self.replan(plan)
 
     @property
     def format_name(self) -> str:
@@ -173,6 +177,8 @@ class QuantLinear(nn.Module):
         self.kernel = self.packs.kernel(self.bias, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packs is None:
+            self.replan(self.plan)
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -203,11 +209,15 @@ def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[
     return candidates
 
 
-def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None) -> dict[str, Plan]:
+def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None,
+                       two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
     """Time each distinct quantized (shape, format, dtype) once (``auto`` with a ``cache``) and
     give every ``QuantLinear`` of ``model`` its plan; ``force`` and ``off`` keep the first
-    candidate. Returns the plans by name, for the start-up table."""
+    candidate. Quantized weights of more than ``two_layouts_max_bytes`` in all keep one layout
+    each (a plan over two keeps two copies). Returns the plans by name, for the table."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    one_layout = sum(m.weight_format.nbytes for m in layers
+                     if m.weight_format is not None) > two_layouts_max_bytes
     timed = selector.mode() == "auto" and cache is not None
     buckets = selector.row_buckets(max_rows)
     plans: dict[str, Plan] = {}
@@ -220,8 +230,8 @@ def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None)
             layer.out_features, layer.in_features, layer.format_name,
             str(layer.dtype).removeprefix("torch."), ",".join(methods))
         if name not in plans:
-            plans[name] = (cache.get_or_choose(name, buckets,
-                                               quant_candidates(w, layer.dtype, methods))
-                           if timed and len(methods) > 1 else Plan.always(methods[0]))
+            plan = (cache.get_or_choose(name, buckets, quant_candidates(w, layer.dtype, methods))
+                    if timed and len(methods) > 1 else Plan.always(methods[0]))
+            plans[name] = Plan.always(plan.single()) if one_layout else plan
         layer.replan(plans[name])
     return plans
