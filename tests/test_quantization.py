@@ -101,10 +101,14 @@ def test_planning_keeps_only_the_layouts_the_plan_uses(tmp_path, monkeypatch):
 
 def test_a_large_quantized_model_keeps_one_layout_per_weight(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
-    model = torch.nn.Sequential(QuantLinear(quantize_int4(_weight(), 32)))
-    # the kernel wins one row, torch's path more: two layouts, unless the weights are too big
-    cache = PlanCache(tmp_path, key={"host": "test"},
-                      timer=lambda name, fn, calls: (fn(), 1.0 if (name == TORCH) else 3.0)[1])
-    plans = plan_quant_linears(model, 8, cache, two_layouts_max_bytes=0)
-    assert all(len(p.used()) == 1 for p in plans.values())
-    assert len(model[0].plan.used()) == 1
+    two = Plan((1, 8), (ATEN, TORCH), ({ATEN: 1.0, TORCH: 2.0}, {ATEN: 9.0, TORCH: 3.0}))
+    cache = PlanCache(tmp_path, key={"host": "test"})
+    monkeypatch.setattr(cache, "get_or_choose", lambda *args: two)
+    small = torch.nn.Sequential(QuantLinear(quantize_int4(_weight(), 32)))
+    assert plan_quant_linears(small, 8, cache)  # within the bound: both layouts
+    assert small[0].plan.used() == {ATEN, TORCH}
+    large = torch.nn.Sequential(QuantLinear(quantize_int4(_weight(), 32)))
+    plan_quant_linears(large, 8, cache, two_layouts_max_bytes=0)
+    assert large[0].plan.used() == {TORCH}  # the one losing least over both buckets
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(large[0](x), small[0](x), atol=1e-4, rtol=1e-4)
