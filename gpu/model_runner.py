@@ -16,7 +16,7 @@ from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
 from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
 from gpu.cpu import selector
-from gpu.cpu.host_allocator import keep_freed_host_memory
+from gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
 from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cuda_graphs import CudaGraphRunner
@@ -189,11 +189,14 @@ class ModelRunner:
     def _load_model(self, timed: bool = True) -> torch.nn.Module:
         config = self.config
         backend = get_attention_backend(config.attention_backend, config.device)
-        return load_model(config.model, self.model_config, backend, self.max_model_len,
-                          self.dtype, config.device, max_rows=config.max_num_batched_tokens,
-                          max_seqs=config.max_num_seqs, timed=timed,
-                          quantization=config.quantization,
-                          group_size=config.quantization_group_size)
+        model = load_model(config.model, self.model_config, backend, self.max_model_len,
+                           self.dtype, config.device, max_rows=config.max_num_batched_tokens,
+                           max_seqs=config.max_num_seqs, timed=timed,
+                           quantization=config.quantization,
+                           group_size=config.quantization_group_size)
+        if config.device == "cpu":
+            release_freed_host_memory()  # the load's temporaries, kept by the thresholds
+        return model
 
     def _swap_in_kernels(self) -> None:
         """Between steps: the model planned on the CPU kernels, once built in the background."""

@@ -40,3 +40,15 @@ def keep_freed_host_memory() -> bool:
         logger.warning("mallopt refused the allocator thresholds; CPU steps may page-fault")
     _applied = ok
     return ok
+
+
+def release_freed_host_memory() -> bool:
+    """Hand the C allocator's free pages back to the OS once (``malloc_trim``): after loading,
+    where the thresholds above would keep every temporary of the load resident for good (a
+    quantized model's unpacked values, freed as each layer is packed). ``False`` where the C
+    library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim(0)
+    return True
