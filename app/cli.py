@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from app.state import ServerSettings
     from core.async_engine import AsyncEngine
+    from core.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -169,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_argument("--enforce-eager", action="store_true",
                         help="GPU: run decode steps eagerly, without CUDA graphs")
 
+    dist = serve.add_argument_group("several devices and machines")
+    dist.add_argument("--tensor-parallel-size", type=_positive_int,
+                      default=defaults.tensor_parallel_size,
+                      help="split the model over N worker processes (one per GPU, or CPU "
+                      "processes sharing the cores), all-reducing between them")
+    dist.add_argument("--nnodes", type=_positive_int, default=defaults.nnodes,
+                      help="machines the tensor-parallel ranks span")
+    dist.add_argument("--node-rank", type=int, default=defaults.node_rank,
+                      help="this machine's place among --nnodes; only node 0 serves HTTP, the "
+                      "others run their workers")
+    dist.add_argument("--distributed-init-method", default=None, metavar="URL",
+                      help="where the ranks meet, tcp://HEAD_IP:PORT (default: a free port "
+                      "on this machine; needed with --nnodes > 1)")
+
     api = serve.add_argument_group("API and security")
     api.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer <key>' on /v1 requests")
@@ -216,10 +231,14 @@ def serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
             cpu_kernels=args.cpu_kernels, quantization=args.quantization,
-            quantization_group_size=args.quantization_group_size)
+            quantization_group_size=args.quantization_group_size,
+            tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+            node_rank=args.node_rank, distributed_init_method=args.distributed_init_method)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:
+        return serve_workers_only(config)
     logger.info("loading %s on %s", config.model, args.device)
     engine = AsyncEngine(config)
     settings = ServerSettings(
@@ -233,8 +252,22 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("%s", startup_banner(engine, settings))
     except Exception:  # a log line never stops the server
         logger.exception("the start-up banner failed")
-    run_event_loop(_serve(app, settings, engine))
-    return 0
+    return run_event_loop(_serve(app, settings, engine))
+
+
+def serve_workers_only(config: EngineConfig) -> int:
+    """A node past the first: its tensor-parallel workers, until they end."""
+    from gpu.multiproc_executor import start_workers, stop_processes
+
+    workers, _ = start_workers(config, with_pipe=False)
+    logger.info("node %d of %d: ranks in worker processes %s, meeting at %s", config.node_rank,
+                config.nnodes, [p.pid for p in workers], config.distributed_init_method)
+    try:
+        for p in workers:
+            p.join()
+    except KeyboardInterrupt:
+        stop_processes(workers, 0.0)
+    return max((p.exitcode or 0) for p in workers)
 
 
 def base_url(settings: ServerSettings) -> str:
@@ -251,13 +284,13 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
     from core.config import is_gguf_file
 
     core = engine.core
-    config, runner = core.config, core.runner
-    arch = runner.model_config
+    config, executor = core.config, core.executor
+    arch = executor.model_config
     tokens = core.kv.num_blocks * config.block_size
     url = base_url(settings)
     listen = (f" (listening on {settings.host or 'every address'}:{settings.port})"
               if settings.host in ("0.0.0.0", "::", "") else "")
-    dtype = str(runner.dtype).removeprefix("torch.")
+    dtype = executor.dtype_name
     if config.quantization == "int8":
         dtype += ", decoder weights int8"
     elif config.quantization == "int4":
@@ -276,7 +309,7 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
         f"  batching  up to {config.max_num_seqs} sequences and {config.max_num_batched_tokens} "
         f"tokens a step; prefix caching {'on' if config.enable_prefix_caching else 'off'}; "
         f"async scheduling {'on' if config.async_scheduling else 'off'}",
-        f"  kernels   {runner.kernel_summary()}",
+        f"  kernels   {executor.kernel_summary()}",
         f"  API       {url}/v1",
         f"  page      {url}/",
         f"  metrics   {url}/metrics",
@@ -296,7 +329,13 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     return config
 
 
-async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> None:
+# how long a server whose engine died keeps answering (503 on /health, errors elsewhere)
+# before it exits, so that clients and routers see why
+DEAD_ENGINE_GRACE_S = 1.0
+
+
+async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> int:
+    """Serve until a signal (exit status 0) or until the engine dies (1)."""
     from hypercorn.asyncio import serve
 
     from core.heap import freeze_startup_objects  # core's package imports torch
@@ -309,13 +348,29 @@ async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) 
         except (NotImplementedError, RuntimeError):  # not on this platform or thread
             pass
 
+    died = False
+
+    async def watch_engine() -> None:
+        nonlocal died
+        while engine.is_alive or engine.error is None:
+            await asyncio.sleep(0.1)
+        if not stop.is_set():
+            died = True
+            logger.error("the engine died (%s): exiting", engine.error)
+            await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+            stop.set()
+
+    watcher = loop.create_task(watch_engine())
+
     async def shutdown_trigger() -> None:
         await stop.wait()
+        watcher.cancel()
         logger.info("shutting down")
         await engine.shutdown()
 
     freeze_startup_objects()  # the model, modules and app live as long as the process
     await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
+    return 1 if died else 0
 
 
 def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:

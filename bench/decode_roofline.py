@@ -77,7 +77,7 @@ def release_memory(device: str) -> None:
 def run_shape(shape: str, args: argparse.Namespace, batches: list[int],
               bandwidth: float) -> dict:
     llm = make_llm(model_path(args, shape), args, max(batches))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     w_bytes = weight_bytes(runner.model)
     kv_per_token = runner.model_config.kv_bytes_per_token(runner.dtype.itemsize)
     context = args.context + 1 + args.warmup + args.steps // 2  # mean over the timed steps

@@ -57,7 +57,8 @@ def measure(args: argparse.Namespace, batches: list[int], overlap: bool) -> dict
         out[batch] = time_engine_decode(llm, batch, args.context, args.steps, args.warmup)
         if overlap:  # the device work does not depend on the mode: time it once
             context = args.context + 1 + args.warmup + args.steps // 2
-            out[batch]["gpu_ms"] = time_decode_forward(llm.engine.runner, batch, context)
+            runner = llm.engine.executor.runner
+            out[batch]["gpu_ms"] = time_decode_forward(runner, batch, context)
     del llm
     release_memory(args.device)
     return out

@@ -45,6 +45,13 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Failed:
+    """The executor lost a worker between steps: the engine thread must die."""
+
+    error: BaseException
+
+
 _STOP = object()
 
 
@@ -69,6 +76,7 @@ class AsyncEngine:
                 raise ValueError("AsyncEngine needs a config or an EngineCore")
             core = self._build_on_engine_thread(config)
         self.core = core
+        core.executor.on_failure = lambda exc: self._inbox.put(_Failed(exc))
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.stats: EngineStats = core.stats()  # a snapshot, replaced after every step
@@ -195,6 +203,8 @@ class AsyncEngine:
             self._dead = exc
             self._flush()
             self._call_loop(self._fail_all, EngineDeadError(f"the engine died: {exc!r}"))
+        finally:
+            self.core.shutdown()
 
     def _step_until_stopped(self) -> None:
         while True:
@@ -240,6 +250,8 @@ class AsyncEngine:
             if isinstance(item, _Abort):
                 self.core.abort_requests(item.request_ids)
                 continue
+            if isinstance(item, _Failed):
+                raise item.error
             try:
                 self.core.add_request(item.request_id, item.prompt_token_ids, item.params,
                                       prompt=item.prompt)

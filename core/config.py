@@ -54,6 +54,13 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 32
     seed: int = 0
+    # Tensor parallelism: a worker process per rank (torch.distributed: gloo on CPU, NCCL on
+    # GPU), ``nnodes`` machines of ``tensor_parallel_size // nnodes`` ranks each, meeting at
+    # ``distributed_init_method`` (``tcp://HEAD:PORT``; None: a free port on this machine)
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 
     def __post_init__(self) -> None:
@@ -66,7 +73,8 @@ class EngineConfig:
             self.async_scheduling = self.device != "cpu"
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_budget()
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size", "nnodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -90,6 +98,21 @@ class EngineConfig:
                              f"got {self.quantization_group_size!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a "
+                             f"multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.distributed_init_method:
+            raise ValueError("distributed_init_method (tcp://HEAD:PORT) is needed to run on "
+                             "several nodes")
+        method = self.distributed_init_method
+        if method is not None and not method.startswith(("tcp://", "env://", "file://")):
+            raise ValueError("distributed_init_method must be a tcp://HOST:PORT, env:// or "
+                             f"file:// URL, got {method!r}")
 
     def _default_budget(self) -> int:
         if self.device != "cpu":

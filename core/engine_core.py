@@ -25,7 +25,7 @@ from core.step_profiler import StepProfiler
 from core.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from gpu.step_handle import StepHandle
+    from core.executor import StepResult
 
 logger = logging.getLogger(__name__)
 # how long a step with nothing to run waits for a grammar to compile: new requests and aborts
@@ -47,26 +47,34 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from gpu.worker import create_model_runner  # the one door into device code
+        from gpu.executor import create_executor  # the one door into device code
 
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.runner = create_model_runner(config)
-        self.max_model_len = self.runner.max_model_len
-        self.vocab_size = self.runner.vocab_size
+        self.executor = create_executor(config)
+        try:
+            self._init_engine()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_engine(self) -> None:
+        config, executor = self.config, self.executor
+        self.max_model_len = executor.max_model_len
+        self.vocab_size = executor.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        num_blocks = executor.determine_num_blocks()
+        executor.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             async_scheduling=bool(config.async_scheduling),
-            attention_cost_context=self.runner.attention_cost_context), self.kv, self.structured)
+            attention_cost_context=executor.attention_cost_context), self.kv, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
-        self.runner.profiler = self.profiler
+        executor.profiler = self.profiler
         self._finished_elsewhere: list[Request] = []
         self._in_flight = None  # the launched step whose tokens are not processed yet
         tokens = num_blocks * config.block_size
@@ -75,7 +83,7 @@ class EngineCore:
                     tokens / self.max_model_len, self.max_model_len)
 
     def _eos_token_ids(self) -> list[int]:
-        ids = list(self.runner.eos_token_ids)
+        ids = list(self.executor.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
             ids.insert(0, self.tokenizer.eos_token_id)
         return ids
@@ -150,7 +158,7 @@ class EngineCore:
         if sched.is_empty and self._in_flight is None:
             self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
         early = self._fill_grammar_bitmask(sched)
-        handle = self.runner.execute_model_async(sched, before_forward)  # laps its phases
+        handle = self.executor.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.config.async_scheduling:
             previous = self._in_flight
@@ -175,9 +183,13 @@ class EngineCore:
     def step_modes(self) -> contextlib.AbstractContextManager[None]:
         """Hold the device's step modes on this thread for a run of steps, rather than
         entering them in every step (see ``ModelRunner.step_modes``)."""
-        return self.runner.step_modes()
+        return self.executor.step_modes()
 
-    def _process(self, handle: StepHandle | None) -> list[RequestOutput]:
+    def shutdown(self) -> None:
+        """Release the executor's workers (a tensor-parallel group's processes)."""
+        self.executor.shutdown()
+
+    def _process(self, handle: StepResult | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens: stop checks, detokenization, deltas."""
         updates = self.scheduler.update_from_output(handle.result()) if handle else []
         self.profiler.lap("update")

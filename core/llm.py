@@ -32,6 +32,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (they also end with this
+        process)."""
+        self.engine.shutdown()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -24,6 +24,7 @@ from gpu.quantization.apply import (
     quantize_on_read,
 )
 from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
+from gpu.weight_shards import shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     """The model with its weights read, in plain torch layers (nothing packed or planned).
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
     float model never exists whole in memory; nor does it where the checkpoint's linears are
-    all quantized already (a GGUF's)."""
+    all quantized already (a GGUF's). Under tensor parallelism each weight is cut to this
+    rank's part as it is read (after quantization, so that the parts are the whole's)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
@@ -74,10 +76,12 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
         leave_unallocated(model)
     if quantization is not None:
         weights = quantize_on_read(weights, quantization, group_size)
+    if model.tp.size > 1:
+        weights = shard_weights(weights, cfg, model.tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
-    _load_weights(model, cfg, weights, dtype, str(model_dir))
+    _load_weights(model, model.local_config, weights, dtype, str(model_dir))
     if quantization is not None:
         log_quantized(model, quantization, group_size)
     return model.eval()

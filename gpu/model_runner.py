@@ -20,6 +20,7 @@ from gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_me
 from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
 from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cuda_graphs import CudaGraphRunner
+from gpu.distributed import tensor_parallel
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.model_config import ModelConfig
 from gpu.model_loader import load_model, resolve_dtype
@@ -27,6 +28,7 @@ from gpu.sampler import Sampler, apply_grammar_bitmask
 from gpu.sampling_metadata import build_sampling_metadata
 from gpu.step_handle import StepHandle
 from gpu.step_inputs import StepInputs, TokenLayout, advance
+from gpu.weight_shards import local_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +46,13 @@ class ModelRunner:
                 selector.set_mode(config.cpu_kernels)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        # A first start on a CPU serves on torch's paths while the kernels build (a server's).
+        self.tp = tensor_parallel()
+        self.shard_config = local_config(model_config, self.tp)  # this rank's heads
+        # A first start on a CPU serves on torch's paths while the kernels build (a server's
+        # on one device; a tensor-parallel rank builds them first, as its peers do).
         # Its stopgap model is not timed: the build shares the cores, and it serves minutes.
         self._upgrade = (KernelUpgrade(self._load_model)
-                         if self.device == "cpu" and not config.offline
+                         if self.device == "cpu" and not config.offline and self.tp.size == 1
                          and needs_background_build() else None)
         self.model = self._load_model(timed=self._upgrade is None)
         self.sampler = Sampler()
@@ -84,9 +89,9 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         # an int8 cache's scales count: a float32 per token, KV head and K or V
-        per_token = (self.model_config.kv_bytes_per_token(1, kv_quant.SCALE_BYTES)
-                     if self.kv_cache_quantized
-                     else self.model_config.kv_bytes_per_token(self.dtype.itemsize))
+        cfg = self.shard_config
+        per_token = (cfg.kv_bytes_per_token(1, kv_quant.SCALE_BYTES) if self.kv_cache_quantized
+                     else cfg.kv_bytes_per_token(self.dtype.itemsize))
         per_block = self.block_size * per_token
         if self.device == "cpu":
             budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
@@ -138,7 +143,7 @@ class ModelRunner:
         self.kv_caches = []
 
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
-        cfg = self.model_config
+        cfg = self.shard_config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = torch.int8 if self.kv_cache_quantized else self.dtype
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
@@ -148,8 +153,9 @@ class ModelRunner:
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
-        backend (the torch one reads lengths on the host), unless ``enforce_eager``."""
-        if self.device == "cpu" or self.config.enforce_eager:
+        backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
+        tensor parallelism, whose all-reduces are not captured."""
+        if self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1:
             return
         if self.backend.name != "triton":
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")

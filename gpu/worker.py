@@ -1,14 +1,36 @@
-"""The single entry point from the engine core into device code."""
+"""A model runner in this process (``create_model_runner``), and the worker process that runs
+one rank of a tensor-parallel group (``worker_main``).
+
+Rank 0 takes each call from the engine over a pipe and broadcasts it to the other ranks (a
+gloo group, so ranks on other machines get it too); every rank runs it on its shard of the
+model, and rank 0 answers. A worker dies with its server: it never outlives it.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from core.config import EngineConfig
+from gpu.distributed import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+SHUTDOWN = "shutdown"
+_PR_SET_PDEATHSIG = 1
 
 
 def create_model_runner(config: EngineConfig) -> ModelRunner:
@@ -18,3 +40,110 @@ def create_model_runner(config: EngineConfig) -> ModelRunner:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, model_config.max_position_embeddings)
     return ModelRunner(config, model_config, max_model_len)
+
+
+@dataclass
+class WorkerArgs:
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    init_method: str
+    num_threads: int
+    log_level: int
+
+
+class Worker:
+    """One rank's model runner, and the calls the engine makes of it."""
+
+    def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
+        self.runner, self.tp = runner, tp
+
+    def describe(self) -> dict[str, Any]:
+        r = self.runner
+        return dict(max_model_len=r.max_model_len, vocab_size=r.vocab_size,
+                    eos_token_ids=r.eos_token_ids,
+                    attention_cost_context=r.attention_cost_context,
+                    model_config=r.model_config,
+                    dtype_name=str(r.dtype).removeprefix("torch."))
+
+    def determine_num_blocks(self) -> int:
+        """The fewest blocks any rank's budget holds (ranks may have different memory)."""
+        n = torch.tensor([self.runner.determine_num_blocks()], dtype=torch.int64)
+        if self.tp.size > 1:
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+        return int(n.item())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, sched: Any) -> Any:
+        return self.runner.execute_model_async(sched).result()
+
+    def kernel_summary(self) -> str:
+        return self.runner.kernel_summary()
+
+
+def worker_main(args: WorkerArgs, conn: Connection | None) -> None:
+    """A worker process's body. ``conn`` (rank 0's only) is the pipe to the engine."""
+    _die_with_parent()
+    _set_up_logging(args)
+    config = args.config
+    try:
+        torch.set_num_threads(args.num_threads)
+        torch.manual_seed(config.seed)  # every rank draws the same samples
+        if config.device != "cpu":
+            config = replace(config, device=f"cuda:{args.local_rank}")
+            torch.cuda.set_device(config.device)
+        tp = init_tensor_parallel(args.rank, config.tensor_parallel_size, args.init_method,
+                                  config.device)
+        worker = Worker(create_model_runner(config), tp)
+        with worker.runner.step_modes():
+            _serve_calls(worker, conn)
+    except BaseException as exc:  # noqa: BLE001 - a failed rank must end, loudly
+        logger.error("rank %d failed: %s", args.rank, traceback.format_exc())
+        if conn is not None:
+            try:
+                conn.send(("error", f"rank {args.rank}: {exc!r}"))
+            except OSError:
+                pass
+        os._exit(1)  # no clean-up that could wait on a peer
+    leave_tensor_parallel()
+
+
+def _serve_calls(worker: Worker, conn: Connection | None) -> None:
+    """Take calls until told to stop: rank 0 from the engine's pipe, broadcast to the others;
+    rank 0 answers each."""
+    tp = worker.tp
+    while True:
+        call = conn.recv() if conn is not None else None
+        method, call_args = tp.broadcast_object(call)
+        if method == SHUTDOWN:
+            return
+        result = getattr(worker, method)(*call_args)
+        if conn is not None:
+            conn.send(("ok", result))
+
+
+def _die_with_parent() -> None:
+    """Be killed when the server process ends, however it ends: the kernel's parent-death
+    signal on Linux, and a thread that watches the parent elsewhere."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tidal-parent-watch", daemon=True).start()
+
+
+def _set_up_logging(args: WorkerArgs) -> None:
+    level = args.log_level if args.rank == 0 else max(args.log_level, logging.WARNING)
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [rank {args.rank}] "
+                                            "%(name)s: %(message)s")

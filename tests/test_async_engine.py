@@ -85,7 +85,7 @@ async def test_a_steps_outputs_are_posted_between_the_next_steps_inputs_and_forw
     forward and the next step's input preparation, where it would take the GIL from it."""
     engine = AsyncEngine(_engine_config(model_dir))
     events: list[str] = []
-    runner = engine.core.runner
+    runner = engine.core.executor.runner
 
     def recorded(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

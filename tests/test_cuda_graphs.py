@@ -105,7 +105,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
     expected = LLM(path, attention_backend="torch", **on).generate(prompts, params,
                                                                    use_tqdm=False)
     llm = LLM(path, attention_backend="triton", max_num_seqs=8, enforce_eager=True, **on)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     graphs = EmulatedGraphRunner(runner._run_model, 8, runner.max_blocks_per_req,
                                  runner.max_model_len, runner.device)
     graphs.capture()
@@ -128,7 +128,7 @@ def test_real_cuda_graphs_give_the_eager_tokens(tmp_path):
     expected = LLM(path, enforce_eager=True, **common).generate(prompts, params,
                                                                 use_tqdm=False)
     llm = LLM(path, max_num_seqs=8, **common)
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.executor.runner.cuda_graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     graphs.graphs = {size: _CountedReplay(g.replay) for size, g in graphs.graphs.items()}
     got = llm.generate(prompts, params, use_tqdm=False)

@@ -124,4 +124,4 @@ def test_async_scheduling_survives_aborts_and_frees_blocks(tmp_path_factory):
         if str(i) not in ("1", "6"):
             assert results[str(i)] == expected.outputs[0].token_ids
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
-    assert not engine.runner.batch.states
+    assert not engine.executor.runner.batch.states

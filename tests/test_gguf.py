@@ -138,7 +138,7 @@ def test_config_from_metadata_matches_the_directory(model):
 def test_greedy_tokens_and_logprobs_match_hf_on_the_dequantized_weights(model):
     _, path, twin = model
     llm = LLM(str(path), dtype="float32")
-    layers = llm.engine.runner.model.layers
+    layers = llm.engine.executor.runner.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
     prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((1, 9, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)

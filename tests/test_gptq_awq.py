@@ -252,7 +252,8 @@ def test_readers_give_back_exactly_the_quantized_values(built):
 @pytest.mark.slow
 def test_tokens_and_logprobs_match_hf_on_the_dequantized_model(built):
     llm = fidelity_llm(str(built.path))
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    model = llm.engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 2  # qkv, o, gate_up, down in each of the two layers
     built.hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
     built.hf.reference_cache = {}

@@ -46,7 +46,7 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     monkeypatch.setattr(kernel_upgrade, "is_built", lambda: False)
     config = EngineConfig(model=DEFAULT_MODEL, max_model_len=128, cpu_kernels="auto")
     engine = EngineCore(config)
-    runner = engine.runner
+    runner = engine.executor.runner
     assert kernels.load_cpu_kernels() is None  # torch's paths meanwhile
     first_model = runner.model
     assert isinstance(first_model.layers[0].self_attn.backend, TorchAttentionBackend)

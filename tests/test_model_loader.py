@@ -74,13 +74,13 @@ def test_dtypes_resolve_and_bfloat16_runs(model_dir):
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float8", "cpu")
     llm = LLM(str(model_dir), dtype="bfloat16")
-    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert llm.engine.executor.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
 
 def test_cpu_model_runs_on_packed_linear_layers(model_dir):
-    model = LLM(str(model_dir)).engine.runner.model
+    model = LLM(str(model_dir)).engine.executor.runner.model
     assert isinstance(model.lm_head, PackedLinear)
     assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in model.layers)
 

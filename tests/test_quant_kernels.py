@@ -156,7 +156,8 @@ def _generate(model_dir, cpu_kernels: str) -> list:
     try:
         llm = LLM(str(model_dir), dtype="float32", quantization="int4", cpu_kernels=cpu_kernels,
                   max_model_len=256)
-        assert (llm.engine.runner.model.decode_stack is not None) == (cpu_kernels != "off")
+        model = llm.engine.executor.runner.model
+        assert (model.decode_stack is not None) == (cpu_kernels != "off")
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
         outs = llm.generate(["hello there", "a b c d e f", "the kernels"], params,
                             use_tqdm=False)

@@ -60,7 +60,7 @@ def test_the_cpu_decode_path_builds_the_general_paths_inputs(tmp_path):
     """Every decode step's inputs, built by the kernels' ``decode_inputs`` and by the numpy
     path, over prompts whose decodes cross block boundaries and requests that finish."""
     llm = LLM(str(build_model_dir(tmp_path / "llama", "llama")), max_num_seqs=4)
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.runner
     assert runner._decode_inputs is not None
     prepare, decode_inputs, pairs = runner._prepare_inputs, runner._decode_inputs, []
 

@@ -28,8 +28,11 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def build_decode_stack(model: torch.nn.Module) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
     dtype or device, another attention backend, q/k norms, or linears without a C++
-    ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built)."""
+    ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built), or
+    tensor parallelism (its all-reduces run between the layers' ops)."""
     kernels = load_cpu_kernels()
+    if model.tp.size > 1:
+        return None
     cfg = model.config
     embedding = model.embed_tokens.weight
     if (kernels is None or embedding.device.type != "cpu" or embedding.dtype not in STACK_DTYPES

@@ -82,7 +82,7 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
 
 def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int,
               cache: PlanCache) -> dict[str, Plan]:
-    cfg = model.config
+    cfg = model.local_config  # this rank's shapes under tensor parallelism
     rows, seqs = selector.row_buckets(max_rows), selector.row_buckets(max_seqs)
     tag = str(dtype).removeprefix("torch.")
     heads = f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"

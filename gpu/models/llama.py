@@ -2,7 +2,9 @@
 
 All requests' tokens of a step form one ``[num_tokens]`` batch without padding; attention reads
 and writes the paged KV cache through the attention backend. q/k/v and gate/up projections are
-fused into single matmuls at load time.
+fused into single matmuls at load time. Under tensor parallelism each rank builds the model
+from its ``local_config`` (``gpu/weight_shards.py``) and all-reduces the partial sums of the
+output and down projections and of the embedding.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from torch import nn
 from gpu.attention import AttentionBackend, AttentionMetadata
 from gpu.cpu.decode_stack import runs_on_stack
 from gpu.cpu.selector import Plan
+from gpu.distributed import TensorParallel, tensor_parallel
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
+from gpu.weight_shards import local_config
 
 # One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
 # v_scale) (gpu.attention.kv_quant).
@@ -39,6 +43,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        self.tp = tensor_parallel()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -52,7 +57,7 @@ class Attention(nn.Module):
         key_cache, value_cache, *scales = kv_cache
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
         out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -61,9 +66,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_plan: Plan | None = None  # which rows the CPU activation kernel takes
+        self.tp = tensor_parallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.act_plan))
+        return self.tp.all_reduce(
+            self.down_proj(silu_and_mul(self.gate_up_proj(x), self.act_plan)))
 
 
 class DecoderLayer(nn.Module):
@@ -94,13 +101,16 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int) -> None:
         super().__init__()
         self.config = cfg
+        self.tp: TensorParallel = tensor_parallel()
+        self.local_config = local = local_config(cfg, self.tp)  # this rank's heads and MLP
         self.max_positions = max_positions
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend)
+        vocab = self.tp.shard_size(cfg.vocab_size)  # this rank's vocabulary rows
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, rotary, backend)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.tie_weights()
         self.decode_stack: Any = None  # gpu.cpu.decode_stack's one-call decode step, once built
         self.stack_rows: list[bool] = []  # whether a decode step of so many rows takes it
@@ -128,11 +138,25 @@ class LlamaForCausalLM(nn.Module):
             caches = [cache for pair in kv_caches for cache in pair]
             return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,
                                              meta.block_table, meta.seq_lens, requests, rows)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, delta, kv_cache, meta)
         return self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings; under tensor parallelism each rank looks up the ids in its
+        vocabulary rows, zeros the others, and the ranks' rows are summed."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        rows = self.embed_tokens.num_embeddings
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]

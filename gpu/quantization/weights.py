@@ -79,6 +79,19 @@ class QuantizedWeight:
         return QuantizedWeight(self.bits, self.group_size, cut(self.q), cut(self.scales),
                                cut(self.offsets))
 
+    def narrow_cols(self, start: int, length: int) -> QuantizedWeight:
+        """Inputs ``start:start + length`` (a row-parallel rank's part), cut at group
+        boundaries; a per-channel weight keeps its one group per row."""
+        if self.per_channel:
+            return QuantizedWeight(self.bits, length, self.q.narrow(1, start, length),
+                                   self.scales, self.offsets)
+        g = self.group_size
+        if start % g or length % g:
+            raise ValueError(f"a shard of inputs {start}:{start + length} cuts groups of {g}")
+        cut = (lambda t: None if t is None else t.narrow(1, start // g, length // g))
+        return QuantizedWeight(self.bits, g, self.q.narrow(1, start, length), cut(self.scales),
+                               cut(self.offsets))
+
 
 Weight = torch.Tensor | QuantizedWeight  # a checkpoint's tensor, float or quantized
 

@@ -1,0 +1,68 @@
+"""The one door from the engine into device code.
+
+``EngineCore`` decides what runs; an ``Executor`` runs it: in this process on one device
+(``gpu/executor.py``'s ``UniProcExecutor``), or on a worker process per rank of a
+tensor-parallel group (``gpu/multiproc_executor.py``), whose rank 0 sends the sampled tokens
+back. The engine sees the same calls either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from core.step_profiler import StepProfiler
+
+
+class StepResult(Protocol):
+    """A launched step; ``result()`` waits for its sampled tokens."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class ExecutorFailedError(RuntimeError):
+    """A worker died or raised: no step can run any more."""
+
+
+class Executor(ABC):
+    # what the model is, for the engine: set by the executor once the model is loaded
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    attention_cost_context: int
+    model_config: Any  # the architecture facts (gpu.model_config.ModelConfig)
+    dtype_name: str  # the model's dtype, e.g. "float32"
+    profiler: StepProfiler
+    # called from another thread when a worker fails between steps (a step in flight raises
+    # ``ExecutorFailedError`` itself)
+    on_failure: Callable[[BaseException], None] | None = None
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """How many KV-cache blocks fit the budget (on every rank)."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model_async(self, sched: SchedulerOutput,
+                            before_forward: Callable[[], None] | None = None) -> StepResult:
+        """Launch a step; ``before_forward`` runs once it is under way, before its forward
+        completes (not at all for an empty step)."""
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    def step_modes(self) -> contextlib.AbstractContextManager[None]:
+        """Thread modes to hold for a run of steps on the calling thread."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def kernel_summary(self) -> str:
+        """What runs the model's ops, in a line for the start-up banner."""
+
+    def shutdown(self) -> None:  # noqa: B027 - most executors hold nothing to release
+        """Release the workers (nothing to do in this process)."""

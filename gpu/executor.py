@@ -1,0 +1,59 @@
+"""The executors of ``core/executor.py``, and the door the engine opens: ``create_executor``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from core.config import EngineConfig
+from core.executor import Executor, StepResult
+from core.scheduler_output import SchedulerOutput
+from core.step_profiler import StepProfiler
+from gpu.worker import create_model_runner
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The model in this process on one device, or a worker process per tensor-parallel
+    rank."""
+    if config.tensor_parallel_size > 1:
+        from gpu.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return UniProcExecutor(config)
+
+
+class UniProcExecutor(Executor):
+    """The ``ModelRunner`` in this process, called directly."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = runner = create_model_runner(config)
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = runner.eos_token_ids
+        self.attention_cost_context = runner.attention_cost_context
+        self.model_config = runner.model_config
+        self.dtype_name = str(runner.dtype).removeprefix("torch.")
+
+    @property  # type: ignore[override]
+    def profiler(self) -> StepProfiler:
+        return self.runner.profiler
+
+    @profiler.setter
+    def profiler(self, profiler: StepProfiler) -> None:
+        self.runner.profiler = profiler
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model_async(self, sched: SchedulerOutput,
+                            before_forward: Callable[[], None] | None = None) -> StepResult:
+        return self.runner.execute_model_async(sched, before_forward)
+
+    def step_modes(self) -> contextlib.AbstractContextManager[None]:
+        return self.runner.step_modes()
+
+    def kernel_summary(self) -> str:
+        return self.runner.kernel_summary()

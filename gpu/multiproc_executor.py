@@ -1,0 +1,205 @@
+"""A worker process per tensor-parallel rank of this machine (``gpu/worker.py``).
+
+Each call goes to rank 0 over a pipe (the step plan pickled: lists and numbers, no tensors),
+which hands it to every rank. Calls are answered in order, so a step can be launched before
+the previous one's tokens are read: the engine schedules step N+1 while the workers compute
+step N. A worker that dies or raises fails the call waiting on it, or (between steps) calls
+``on_failure``; the other workers are then stopped: nothing hangs and nothing is left
+running.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from core.config import EngineConfig
+from core.executor import Executor, ExecutorFailedError, StepResult
+from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from core.step_profiler import StepProfiler
+from gpu.model_config import ModelConfig
+from gpu.weight_shards import check_tensor_parallel
+from gpu.worker import SHUTDOWN, WorkerArgs, worker_main
+
+logger = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 5.0
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        check_tensor_parallel(ModelConfig.load(config.model), config.tensor_parallel_size)
+        self.profiler = StepProfiler()  # the workers time their own phases
+        self._lock = threading.Lock()  # one caller of the pipe at a time
+        self._sent = self._received = 0  # calls sent to rank 0, answers read
+        self._answers: dict[int, Any] = {}
+        self._failed: BaseException | None = None
+        self._stopping = False
+        self.workers, self._conn = start_workers(config, with_pipe=True)
+        try:
+            info = self._answer(self._send("describe"))
+        except BaseException:
+            self.shutdown()
+            raise
+        for name, value in info.items():
+            setattr(self, name, value)
+        threading.Thread(target=self._watch, name="tidal-worker-watch", daemon=True).start()
+        logger.info("tensor parallel: %d ranks in worker processes %s",
+                    config.tensor_parallel_size, [p.pid for p in self.workers])
+
+    # -- calls --------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return self._call("determine_num_blocks")
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def execute_model_async(self, sched: SchedulerOutput,
+                            before_forward: Callable[[], None] | None = None) -> StepResult:
+        seq = self._send("execute_model", sched)
+        if before_forward is not None and not sched.is_empty:
+            before_forward()  # the workers compute meanwhile
+        return _RemoteStep(self, seq)
+
+    def kernel_summary(self) -> str:
+        return f"{self._call('kernel_summary')} (rank 0; tensor parallel over {len(self.workers)})"
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._answer(self._send(method, *args))
+
+    def _send(self, method: str, *args: Any) -> int:
+        with self._lock:
+            self._raise_if_failed()
+            try:
+                self._conn.send((method, args))
+            except OSError as exc:
+                self._fail(ExecutorFailedError(f"rank 0 is gone: {exc!r}"))
+            self._sent += 1
+            return self._sent
+
+    def _answer(self, seq: int) -> Any:
+        """Call ``seq``'s answer, reading the answers before it first (kept for their
+        callers)."""
+        with self._lock:
+            while seq not in self._answers:
+                self._raise_if_failed()
+                self._received += 1
+                self._answers[self._received] = self._read()
+            status, value = self._answers.pop(seq)
+        if status != "ok":
+            self._fail(ExecutorFailedError(f"a worker failed: {value}"))
+        return value
+
+    def _read(self) -> tuple[str, Any]:
+        sentinels = {p.sentinel: p for p in self.workers}
+        ready = wait([self._conn, *sentinels])
+        if self._conn in ready:
+            try:
+                return self._conn.recv()
+            except (EOFError, OSError):
+                pass
+        dead = [p for p in self.workers if not p.is_alive()]
+        self._fail(ExecutorFailedError(_deaths(dead) or "rank 0's pipe closed"))
+        raise AssertionError("unreachable")
+
+    # -- failure and shutdown -----------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _fail(self, exc: ExecutorFailedError) -> None:
+        if self._failed is None:
+            self._failed = exc
+            logger.error("%s; stopping the workers", exc)
+            self._stop_workers(graceful=False)
+        raise self._failed
+
+    def _watch(self) -> None:
+        """Between steps, a dead worker is noticed here (within a step, by ``_read``)."""
+        wait([p.sentinel for p in self.workers])
+        if self._stopping or self._failed is not None:
+            return
+        dead = [p for p in self.workers if not p.is_alive()]
+        exc = ExecutorFailedError(_deaths(dead))
+        if self._failed is None:
+            self._failed = exc
+            logger.error("%s; stopping the workers", exc)
+            self._stop_workers(graceful=False)
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._stop_workers(graceful=self._failed is None)
+
+    def _stop_workers(self, graceful: bool) -> None:
+        if graceful:
+            try:
+                self._conn.send((SHUTDOWN, ()))
+            except OSError:
+                pass
+        stop_processes(self.workers, STOP_TIMEOUT_S if graceful else 0.0)
+        self._conn.close()
+
+
+class _RemoteStep:
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        self._executor, self._seq = executor, seq
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._answer(self._seq)
+
+
+def start_workers(config: EngineConfig, with_pipe: bool
+                  ) -> tuple[list[mp.process.BaseProcess], Connection | None]:
+    """This node's worker processes (ranks ``node_rank * local ... + local - 1``), and the
+    pipe to rank 0 where it is one of them."""
+    local = config.tensor_parallel_size // config.nnodes
+    init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+    threads = int(os.environ.get("TIDAL_WORKER_THREADS", 0)) or max(
+        1, torch.get_num_threads() // local)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe() if with_pipe else (None, None)
+    workers = []
+    for local_rank in range(local):
+        rank = config.node_rank * local + local_rank
+        args = WorkerArgs(config, rank, local_rank, init_method, threads,
+                          logging.getLogger().getEffectiveLevel())
+        conn = theirs if rank == 0 else None
+        workers.append(ctx.Process(target=worker_main, args=(args, conn), daemon=True,
+                                   name=f"tidal-worker-{rank}"))
+    for p in workers:
+        p.start()
+    if theirs is not None:
+        theirs.close()
+    return workers, ours
+
+
+def stop_processes(processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the processes to end, then kill those left."""
+    for p in processes:
+        p.join(timeout_s)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(STOP_TIMEOUT_S)
+
+
+def _deaths(dead: list[mp.process.BaseProcess]) -> str:
+    return ", ".join(f"worker {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                     for p in dead)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
