@@ -12,6 +12,7 @@ import torch
 
 from core import LLM, SamplingParams
 from core.config import EngineConfig
+from core.executor import ExecutorFailedError
 from gpu.distributed import TensorParallel
 from gpu.model_config import ModelConfig
 from gpu.quantization.weights import quantize_int4, quantize_int8
@@ -78,6 +79,19 @@ def test_quantized_two_ranks_match_one(tmp_path_factory, quantization):
     (ref, _), _ = _run(path, prompts, quantization=quantization)
     (got, _), _ = _run(path, prompts, quantization=quantization, tensor_parallel_size=2)
     _assert_same(ref, got)
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_fails_the_engine_and_every_worker_ends(tmp_path):
+    llm = LLM(str(build_model_dir(tmp_path / "m", "llama")), tensor_parallel_size=2)
+    workers = llm.engine.executor.workers
+    with pytest.raises(ExecutorFailedError, match="rank 0: AttributeError.*no_such_call"):
+        llm.engine.executor._call("no_such_call")  # every rank raises on it
+    for p in workers:
+        p.join(10)
+    assert not any(p.is_alive() for p in workers)
+    with pytest.raises(ExecutorFailedError):
+        llm.generate("hello", GREEDY, use_tqdm=False)
 
 
 def test_an_impossible_split_fails_before_any_worker_starts(tmp_path):

@@ -8,15 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from bench.processes import ROOT, free_port
 from core import LLM, SamplingParams
 from tests.live_server import build_chat_model, curl, running_server, sse_events
 
@@ -112,3 +116,26 @@ def test_a_killed_worker_ends_streams_with_an_error_and_the_server(model):
         assert srv.proc.wait(30) != 0, "the server should exit non-zero"
         time.sleep(0.5)
         assert not [p for p in children if _alive(p)], "a process outlived its server"
+
+
+def test_two_nodes_on_loopback_serve_the_tokens_of_one_process(model):
+    """Node 1 runs only its worker (``--node-rank 1``); node 0 serves, its rank 0 meeting
+    node 1's rank 1 at the rendezvous address."""
+    llm = LLM(str(model), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method",
+             rendezvous]
+    second = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(model),
+                               *nodes, "--node-rank", "1"], cwd=ROOT)
+    try:
+        with running_server(model, *nodes, "--node-rank", "0") as srv:
+            resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": str(model), "prompt": PROMPTS[0], "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True})
+            assert resp.json()["choices"][0]["text"] == want
+        assert second.wait(30) == 0, "node 1 should end cleanly with the head"
+    finally:
+        if second.poll() is None:
+            second.kill()
