@@ -90,13 +90,13 @@ def worker_main(args: WorkerArgs, conn: Connection | None) -> None:
     config = args.config
     try:
         torch.set_num_threads(args.num_threads)
-        torch.manual_seed(config.seed)  # every rank draws the same samples
         if config.device != "cpu":
             config = replace(config, device=f"cuda:{args.local_rank}")
             torch.cuda.set_device(config.device)
         tp = init_tensor_parallel(args.rank, config.tensor_parallel_size, args.init_method,
                                   config.device)
         worker = Worker(create_model_runner(config), tp)
+        torch.manual_seed(config.seed)  # from here every rank draws the same samples
         with worker.runner.step_modes():
             _serve_calls(worker, conn)
     except BaseException as exc:  # noqa: BLE001 - a failed rank must end, loudly

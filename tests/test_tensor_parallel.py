@@ -5,6 +5,7 @@ back together are the whole weights."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from core import LLM, SamplingParams
 from core.config import EngineConfig
 from core.executor import ExecutorFailedError
+from core.structured_output import StructuredOutputsParams
 from gpu.distributed import TensorParallel
 from gpu.model_config import ModelConfig
 from gpu.quantization.weights import quantize_int4, quantize_int8
@@ -79,6 +81,28 @@ def test_quantized_two_ranks_match_one(tmp_path_factory, quantization):
     (ref, _), _ = _run(path, prompts, quantization=quantization)
     (got, _), _ = _run(path, prompts, quantization=quantization, tensor_parallel_size=2)
     _assert_same(ref, got)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_and_grammars_match_one_process(tmp_path_factory):
+    """Every rank samples the same tokens (its own next inputs) as rank 0, which answers; a
+    constrained row's bitmask reaches every rank with the plan."""
+    path = _model(tmp_path_factory, "llama", 4, 2)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=11, n=2, max_tokens=20,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=(
+                  StructuredOutputsParams(regex=r"[a-e ]{4,12}\.")))]
+    texts = []
+    for tp in (1, 2):
+        llm = LLM(str(path), dtype="float32", tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(["the quick brown", "a b c"], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        texts.append([[c.token_ids for c in o.outputs] for o in outs])
+        assert re.fullmatch(r"[a-e ]{4,12}\.", outs[1].outputs[0].text)
+    assert texts[1] == texts[0]
+    assert texts[1][0][0] != texts[1][0][1], "two choices of one seed should differ"
 
 
 @pytest.mark.slow
