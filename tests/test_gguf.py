@@ -140,6 +140,21 @@ def test_greedy_tokens_and_logprobs_match_hf_on_the_dequantized_weights(model):
     llm = LLM(str(path), dtype="float32")
     layers = llm.engine.executor.runner.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
+    _check_against_twin(llm, twin)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_match_hf_on_the_dequantized_weights(tmp_path_factory):
+    """Each rank holds its cut of the quantized blocks (mixed types fused across q/k/v)."""
+    _, path, twin = _model("llama", tmp_path_factory)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    try:
+        _check_against_twin(llm, twin)
+    finally:
+        llm.shutdown()
+
+
+def _check_against_twin(llm: LLM, twin: AutoModelForCausalLM) -> None:
     prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((1, 9, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
