@@ -89,12 +89,14 @@ def _histogram(metrics: ServerMetrics, name: str, suffix: str) -> float:
     return 0.0 if value is None else value
 
 
-async def test_phase_histograms_agree_with_the_requests_own_timings(model_dir: Path) -> None:
+async def test_phase_histograms_agree_with_the_requests_own_timings(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Short requests decode while a long prompt arrives, in a KV cache of 8 blocks that
     cannot hold them all: requests are preempted and resumed. Each request's queue + prefill
     is its time to first token, and queue + inference its whole time, as its client measured
     them, within the steps that deliver outputs; the histograms hold every request, and the
-    preemptions per request add up to the engine's count."""
+    preemptions per request add up to the engine's count; the first preemption is logged."""
+    caplog.set_level(logging.WARNING, logger="core.scheduler")
     engine, durations = _engine(model_dir, num_blocks=8, step_sleep=0.005)
     metrics = ServerMetrics(model_name=MODEL)
     finished: list[RequestStats] = []
@@ -122,6 +124,9 @@ async def test_phase_histograms_agree_with_the_requests_own_timings(model_dir: P
     assert sorted(by_id) == sorted(timed)
     assert stats.num_preemptions > 0, "the workload was meant to preempt"
     assert sum(s.num_preemptions for s in finished) == stats.num_preemptions
+    warnings = [r.getMessage() for r in caplog.records if r.name == "core.scheduler"]
+    assert len(warnings) == 1  # rate-limited: the first of several, within seconds
+    assert re.fullmatch(r"Request (short-\d|long) preempted\. KV blocks freed\.", warnings[0])
     # a step delivers the previous step's outputs: allow two, and the event loop's wake-up
     slack = 2 * max(durations) + 0.05
     for rid, client in timed.items():
@@ -158,6 +163,21 @@ async def test_phase_histograms_agree_with_the_requests_own_timings(model_dir: P
     tpot = _histogram(metrics, "request_time_per_output_token_seconds", "sum")
     assert tpot == pytest.approx(sum(s.decode_time / (s.num_generation_tokens - 1)
                                      for s in finished))
+
+
+def test_rate_limited_warning_counts_what_it_held_back(caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    from core.lifecycle import RateLimitedWarning
+
+    log = logging.getLogger("test.rate_limited")
+    caplog.set_level(logging.WARNING, logger=log.name)
+    warning = RateLimitedWarning(log, interval=0.2)
+    for i in range(3):
+        warning.warn("Request %s preempted.", i)
+    time.sleep(0.25)
+    warning.warn("Request %s preempted.", 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Request 0 preempted.", "Request 3 preempted. (2 more since the last warning)"]
 
 
 # -- the trace log line and the spans, through the server -----------------------------------
