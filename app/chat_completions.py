@@ -10,7 +10,7 @@ from starlette.requests import Request
 from app.errors import ApiError
 from app.metrics import RequestTracker
 from app.protocol import PreparedRequest, prepare_chat_request
-from app.serving import chat_logprobs, generate, read_request, usage
+from app.serving import chat_logprobs, generate, read_request, timed_out, timeout_error, usage
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from app.state import ServerState
 from app.tool_parsers import ToolCallStreamer
@@ -48,10 +48,12 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
     for index in range(n):
         yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None})
+    expired = False
     try:
         async for out in generate(state, prep.request_id, prep.prompt_token_ids, prep.params,
-                                  prep.prompt):
+                                  prep.prompt, prep.arrival):
             tracker.observe(out)
+            expired = expired or timed_out(out)
             cached = out.num_cached_tokens
             for comp in out.outputs:
                 generated += len(comp.token_ids)
@@ -65,6 +67,10 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
         return
     finally:
         tracker.finish(n)
+    if expired:
+        yield sse_event(timeout_error(prep.timeout).to_dict())
+        yield DONE
+        return
     if flags.include_usage:
         yield sse_event({**base, "choices": [], "usage": usage(num_prompt, generated, cached)})
     yield DONE
@@ -124,7 +130,7 @@ async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int,
     final: RequestOutput | None = None
     try:
         async for out in generate(state, prep.request_id, prep.prompt_token_ids, prep.params,
-                                  prep.prompt):
+                                  prep.prompt, prep.arrival):
             tracker.observe(out)
             if final is None:
                 final = out

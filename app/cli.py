@@ -58,6 +58,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return value
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to help texts that do not already say their default."""
 
@@ -152,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule step N+1 while step N runs on the device "
                         "(default: on GPU only)")
+    engine.add_argument("--request-timeout", type=_positive_seconds, default=None,
+                        metavar="SECONDS", help="abort a request still waiting or running this "
+                        "long after it arrived (finish_reason 'abort'); a request's own "
+                        "'timeout' field may ask for less (default: no limit)")
 
     device = serve.add_argument_group("device (CPU and GPU)")
     device.add_argument("--device", default=defaults.device, help="'cpu', 'cuda' or 'cuda:N'")
@@ -204,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"], help="logging level")
+    logs.add_argument("--enable-request-tracing", action="store_true",
+                      help="log one JSON line per finished request (logger tidal.trace): its "
+                      "phases, token counts, cache hits, steps and preemptions")
+    logs.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                      help="send each request's phases as OpenTelemetry spans to this OTLP/HTTP "
+                      "collector, e.g. http://127.0.0.1:4318/v1/traces (needs "
+                      "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)")
     return parser
 
 
@@ -239,6 +260,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if config.node_rank > 0:
         return serve_workers_only(config)
+    tracer = None
+    if args.otlp_traces_endpoint:
+        from app.tracing import otlp_tracer
+
+        try:
+            tracer = otlp_tracer(args.otlp_traces_endpoint)
+        except RuntimeError as exc:  # the OpenTelemetry packages are missing
+            print(f"tidal: error: {exc}", file=sys.stderr)
+            return 2
     logger.info("loading %s on %s", config.model, args.device)
     engine = AsyncEngine(config)
     settings = ServerSettings(
@@ -246,8 +276,10 @@ def serve(args: argparse.Namespace) -> int:
         model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port, allowed_origins=args.allowed_origins,
-        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser)
-    app = build_app(engine, settings)
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+        request_timeout=args.request_timeout, enable_request_tracing=args.enable_request_tracing,
+        otlp_traces_endpoint=args.otlp_traces_endpoint)
+    app = build_app(engine, settings, tracer)
     try:
         logger.info("%s", startup_banner(engine, settings))
     except Exception:  # a log line never stops the server

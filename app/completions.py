@@ -18,6 +18,8 @@ from app.serving import (
     merge_streams,
     read_request,
     text_advance,
+    timed_out,
+    timeout_error,
     usage,
 )
 from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
@@ -42,6 +44,7 @@ class _Run:
     trackers: list[RequestTracker] = field(default_factory=list)
     cached: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
     generated: int = 0
+    expired: bool = False  # a choice ran past the request's timeout
 
     def __post_init__(self) -> None:
         self.trackers = [self.state.metrics.track(len(p.token_ids)) for p in self.prep.prompts]
@@ -55,13 +58,14 @@ class _Run:
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [generate(self.state, self._engine_id(i), p.token_ids, self.prep.params,
-                            p.text) for i, p in enumerate(self.prep.prompts)]
+                            p.text, self.prep.arrival) for i, p in enumerate(self.prep.prompts)]
         # a batch's worth of choices at a time (``n`` per prompt)
         in_flight = self.state.max_num_seqs // self.prep.params.n
         async for index, out in merge_streams(streams, in_flight):
             self.trackers[index].observe(out)
             self.cached[index] = out.num_cached_tokens
             self.generated += sum(len(c.token_ids) for c in out.outputs)
+            self.expired = self.expired or timed_out(out)
             yield index, out
 
     def finish(self, default_reason: str = "abort") -> None:
@@ -129,6 +133,10 @@ async def stream_completion(run: _Run) -> AsyncIterator[bytes]:
         return
     finally:
         run.finish()
+    if run.expired:
+        yield sse_event(timeout_error(prep.timeout).to_dict())
+        yield DONE
+        return
     if flags.include_usage:
         yield sse_event({**base, "choices": [], "usage": run.usage()})
     yield DONE

@@ -4,6 +4,7 @@ oldest turns."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from app.chat_template import ChatTemplateError
@@ -22,16 +23,26 @@ def encode_prompt(state: ServerState, text: str, param: str, add_special_tokens:
         raise bad_request(
             f"The prompt has {len(text)} characters, more than this model's context of "
             f"{state.context_tokens} tokens can hold", param, code="context_length_exceeded")
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return _tokenize(state, text, add_special_tokens)
+
+
+def _tokenize(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    start = time.perf_counter()
+    ids = state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    state.metrics.tokenization_time.observe(time.perf_counter() - start)
+    return ids
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None) -> str:
+    start = time.perf_counter()
     try:
         return state.chat_template.render(messages, tools=tools)
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None
+    finally:
+        state.metrics.chat_template_time.observe(time.perf_counter() - start)
 
 
 def reply_room(context_tokens: int) -> int:
@@ -70,8 +81,8 @@ def fit_conversation(state: ServerState, messages: list[dict[str, str]],
             start = others[d] if others else 0
             kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
             prompt = render_chat(state, kept)
-            ids = None if len(prompt) > state.max_prompt_chars else state.tokenizer.encode(
-                prompt, add_special_tokens=False)
+            ids = None if len(prompt) > state.max_prompt_chars else _tokenize(
+                state, prompt, add_special_tokens=False)
             tried[d] = prompt, ids
         return tried[d]
 

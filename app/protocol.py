@@ -29,6 +29,7 @@ from app.structured import (
     reply_constraint,
     tool_constraint,
 )
+from core.lifecycle import Arrival
 from core.sampling_params import SamplingParams
 from core.structured_output import StructuredOutputsParams
 
@@ -60,6 +61,8 @@ class PreparedRequest:
     # context; ``None`` when truncation was not asked for.
     dropped_messages: int | None = None
     tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
+    timeout: float | None = None  # seconds it may wait and run: its own, or the server's
+    arrival: Arrival | None = None  # stamped by ``serving.read_request``
 
 
 @dataclass
@@ -81,6 +84,8 @@ class PreparedCompletion:
     echo: bool = False
     logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    timeout: float | None = None
+    arrival: Arrival | None = None
 
 
 def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
@@ -131,7 +136,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
-        dropped_messages=dropped, tool_use=tool_use)
+        dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state))
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -175,7 +180,13 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     return PreparedCompletion(
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
-        logprobs=req.logprobs)
+        logprobs=req.logprobs, timeout=request_timeout(req, state))
+
+
+def request_timeout(req: SamplingFields, state: ServerState) -> float | None:
+    """The request's ``timeout``, capped by the server's ``--request-timeout``."""
+    limits = [t for t in (req.timeout, state.settings.request_timeout) if t is not None]
+    return min(limits) if limits else None
 
 
 def check_model(model: str, state: ServerState) -> None:

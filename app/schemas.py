@@ -67,6 +67,9 @@ class SamplingFields(_Model):
     user: str | None = None
     response_format: Any = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: Any = None  # vLLM's: json, regex, choice, grammar, ...
+    # seconds the request may wait and run, from its arrival (the server's own limit, if
+    # lower, wins)
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @field_validator("stop", mode="before")
     @classmethod

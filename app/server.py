@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,6 +27,7 @@ from app.errors import ApiError
 from app.metrics import CONTENT_TYPE
 from app.serving import check_api_key, get_state
 from app.state import ServerSettings, ServerState
+from app.tracing import install as install_request_tracing
 from app.websocket import chat_page, chat_websocket
 
 if TYPE_CHECKING:
@@ -35,9 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
+def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None) -> Starlette:
+    """``tracer``: an OpenTelemetry tracer for request spans, instead of one exporting to
+    ``settings.otlp_traces_endpoint``."""
     state = ServerState.from_engine(engine, settings)
     state.metrics.bind_stats(lambda: engine.stats)
+    install_request_tracing(engine, state, tracer)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from app.errors import ApiError
 from app.schemas import parse_json_body
 from app.state import ServerState
 from core.async_engine import EngineDeadError
+from core.lifecycle import TIMEOUT, Arrival
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 from core.structured_output.compiler import GrammarError
@@ -69,10 +71,14 @@ async def read_request(request: Request,
                        prepare: Callable[[dict[str, Any], ServerState], Prepared]
                        ) -> tuple[ServerState, Prepared]:
     """Read the body and ``prepare`` it for the engine, then check the engine is running:
-    a request that is wrong gets its 4xx even while the engine is down."""
+    a request that is wrong gets its 4xx even while the engine is down. Stamps the
+    prepared request's ``arrival``: when it came, when its prompt was tokenized."""
+    arrived = time.monotonic()
     state = get_state(request)
     body = await read_json_body(request)
     prepared = prepare(body, state)
+    timeout = prepared.timeout  # type: ignore[attr-defined]
+    prepared.arrival = Arrival(arrived, time.monotonic(), timeout)  # type: ignore[attr-defined]
     check_engine(state)
     await check_grammar(state, prepared.params)  # type: ignore[attr-defined]
     return state, prepared
@@ -96,11 +102,13 @@ async def check_grammar(state: ServerState, params: SamplingParams) -> None:
 
 
 async def generate(state: ServerState, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, prompt: str | None) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, prompt: str | None,
+                   arrival: Arrival | None = None) -> AsyncIterator[RequestOutput]:
     """``AsyncEngine.generate`` with its failures as ``ApiError``s: 503 when the engine is
     dead, 400 when it refuses the request, 500 when the request ends in an error."""
     try:
-        async for out in state.engine.generate(prompt_token_ids, params, request_id, prompt):
+        async for out in state.engine.generate(prompt_token_ids, params, request_id, prompt,
+                                               arrival):
             if out.error or any(c.finish_reason == "error" for c in out.outputs):
                 raise ApiError(500, f"The request failed: {out.error or 'engine error'}")
             yield out
@@ -152,6 +160,17 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]], max_in_flig
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def timed_out(out: RequestOutput) -> bool:
+    """Whether a choice of ``out`` was aborted for running past the request's timeout."""
+    return any(c.finish_reason == "abort" and c.stop_reason == TIMEOUT for c in out.outputs)
+
+
+def timeout_error(timeout: float | None) -> ApiError:
+    """What a stream sends, before ``[DONE]``, when its request ran past its timeout."""
+    return ApiError(408, f"The request ran past its timeout of {timeout:g} s and was aborted",
+                    "timeout", type="timeout_error", code="request_timeout")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

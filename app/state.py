@@ -31,6 +31,9 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none: same origin only
     chat_template: str | None = None  # a template file to use instead of the tokenizer's
     tool_call_parser: str | None = None  # hermes, llama3_json, mistral; None: from the template
+    request_timeout: float | None = None  # seconds a request may wait and run; None: no limit
+    enable_request_tracing: bool = False  # a JSON log line per finished request
+    otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector for request spans
 
 
 @dataclass
@@ -58,7 +61,7 @@ class ServerState:
         stats = engine.stats
         return cls(
             engine=engine, tokenizer=engine.tokenizer, settings=settings,
-            metrics=metrics or ServerMetrics(),
+            metrics=metrics or ServerMetrics(model_name=settings.served_model_name),
             chat_template=ChatTemplate.for_tokenizer(engine.tokenizer,
                                                      settings.chat_template),
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,

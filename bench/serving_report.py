@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import host_line
+from bench.server_metrics import phases_markdown
 
 # (label, path into a load-generator report, higher is better)
 METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
@@ -124,11 +125,25 @@ def markdown(result: dict[str, Any], ours: str = "tidal") -> str:
         parts += [f"## Ratios {ours} / {peer} (throughput: higher is better; latency: lower "
                   "is better)", "", ratio_table(result, ours, peer), ""]
     parts += ["## Absolute numbers", "", absolute_table(result), ""]
+    phases = phases_table(result, ours)
+    if phases:
+        parts += [f"## Where {ours}'s time went", "",
+                  "Means per finished request, from the server's phase histograms over the "
+                  "reported round (queue: waiting to be scheduled; prefill: to the first "
+                  "token; decode: to the last).", "", phases, ""]
     rounds = rounds_table(result)
     if rounds:
         parts += ["## Rounds", "", "Each server's median round is the one reported above.",
                   "", rounds, ""]
     return "\n".join(parts)
+
+
+def phases_table(result: dict[str, Any], server: str = "tidal") -> str:
+    """Each workload's phase breakdown on ``server`` (tidal reads it from its /metrics)."""
+    rows = [(scenario["name"], rep["server"]["phases"])
+            for scenario in result["scenarios"]
+            if (rep := scenario["reports"].get(server)) and (rep.get("server") or {}).get("phases")]
+    return phases_markdown(rows) if rows else ""
 
 
 def rounds_table(result: dict[str, Any]) -> str:

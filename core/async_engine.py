@@ -16,11 +16,12 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from core.config import EngineConfig
 from core.engine_core import EngineCore, EngineStats
+from core.lifecycle import Arrival, RequestStats
 from core.outputs import RequestOutput, RequestOutputCollector
 from core.sampling_params import SamplingParams
 from core.structured_output import StructuredOutputsParams
@@ -38,6 +39,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    arrival: Arrival | None = None
 
 
 @dataclass
@@ -80,6 +82,9 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.stats: EngineStats = core.stats()  # a snapshot, replaced after every step
+        # called on the event loop with each engine request that finished, whether or not
+        # anyone still reads its outputs
+        self.finished_listeners: list[Callable[[RequestStats], None]] = []
 
     def _build_on_engine_thread(self, config: EngineConfig) -> EngineCore:
         """Load the model on the thread that will run it, which then waits for ``start()``.
@@ -138,11 +143,12 @@ class AsyncEngine:
 
     # -- the asyncio side ---------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, prompt: str | None = None,
+                       arrival: Arrival | None = None) -> AsyncIterator[RequestOutput]:
         """Yield deltas until the request finishes. Leaving the iteration early (the client
         went away, the task was cancelled) aborts the request, which frees its KV blocks
-        within one engine step."""
+        within one engine step. ``arrival`` says when the request reached the server, and
+        its timeout."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'not started'})")
         request_id = request_id or uuid.uuid4().hex
@@ -150,7 +156,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         collector = RequestOutputCollector()
         self._collectors[request_id] = collector
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, arrival))
         finished = False
         try:
             while not finished:
@@ -181,9 +187,19 @@ class AsyncEngine:
                 if collector is not None:
                     collector.put(exc)
                 continue
+            if out.finished_stats and self.finished_listeners:
+                self._report_finished(out.finished_stats)
             collector = self._collectors.get(out.request_id)
             if collector is not None:
                 collector.put(out)
+
+    def _report_finished(self, finished: list[RequestStats]) -> None:
+        for stats in finished:
+            for listener in self.finished_listeners:
+                try:
+                    listener(stats)
+                except Exception:  # a metric or a log line never stops the outputs
+                    logger.exception("a finished-request listener failed")
 
     def _fail_all(self, exc: BaseException) -> None:
         for collector in self._collectors.values():
@@ -254,7 +270,7 @@ class AsyncEngine:
                 raise item.error
             try:
                 self.core.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                      prompt=item.prompt)
+                                      prompt=item.prompt, arrival=item.arrival)
             except ValueError as exc:
                 errors.append((item.request_id, exc))
 

@@ -7,14 +7,18 @@ and the offline ``LLM`` calls it directly.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import numbers
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.config import EngineConfig, load_tokenizer
 from core.kv_cache_manager import KVCacheManager
+from core.lifecycle import TIMEOUT, Arrival
 from core.output_processor import OutputProcessor, ParentRequest
 from core.outputs import RequestOutput
 from core.request import Request, RequestStatus
@@ -77,6 +81,10 @@ class EngineCore:
         executor.profiler = self.profiler
         self._finished_elsewhere: list[Request] = []
         self._in_flight = None  # the launched step whose tokens are not processed yet
+        # (deadline, tie-breaker, parent) of requests with a timeout: a heap, so a step looks
+        # at none but those whose time has come
+        self._deadlines: list[tuple[float, int, ParentRequest]] = []
+        self._deadline_order = itertools.count()
         tokens = num_blocks * config.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); %.1f requests of the full "
                     "%d-token context fit", num_blocks, config.block_size, tokens,
@@ -90,19 +98,24 @@ class EngineCore:
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, prompt: str | None = None) -> None:
+                    params: SamplingParams, prompt: str | None = None,
+                    arrival: Arrival | None = None) -> None:
         """Queue a request. Raises ``ValueError`` on a duplicate id or token ids outside the
         vocabulary; a request too long for the context or the KV cache is finished with an
-        error on the next step."""
+        error on the next step. One past ``arrival``'s deadline is aborted at the next step."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self._checked_token_ids(prompt_token_ids, "prompt token id")
         self._checked_token_ids(list(params.logit_bias or {}), "logit_bias token id")
-        children = [self._child(request_id, i, list(prompt_token_ids), params)
+        arrival = arrival or Arrival()
+        children = [self._child(request_id, i, list(prompt_token_ids), params, arrival)
                     for i in range(params.n)]
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids),
                                {c.request_id: i for i, c in enumerate(children)})
         self.output_processor.add(parent, children)
+        if arrival.deadline is not None:
+            heapq.heappush(self._deadlines,
+                           (arrival.deadline, next(self._deadline_order), parent))
         for child in children:
             if self.scheduler.add_request(child) is not None:
                 self._finished_elsewhere.append(child)
@@ -118,7 +131,7 @@ class EngineCore:
         return [int(t) for t in token_ids]
 
     def _child(self, request_id: str, index: int, prompt_token_ids: list[int],
-               params: SamplingParams) -> Request:
+               params: SamplingParams, arrival: Arrival) -> Request:
         changes: dict = {"n": 1}
         if params.max_tokens is None:
             changes["max_tokens"] = max(1, self.max_model_len - len(prompt_token_ids))
@@ -129,12 +142,25 @@ class EngineCore:
             changes["stop_token_ids"] = params.stop_token_ids + extra_eos
         child_id = request_id if params.n == 1 else f"{request_id}-{index}"
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return Request(child_id, prompt_token_ids, params.clone(**changes), eos_token_id=eos)
+        request = Request(child_id, prompt_token_ids, params.clone(**changes), eos_token_id=eos,
+                          arrival_time=arrival.time)
+        request.times.tokenized = arrival.tokenized
+        return request
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         child_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
         self._finished_elsewhere += self.scheduler.finish_requests(
             child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _abort_expired(self) -> None:
+        """Abort the requests past their deadline, ``stop_reason`` ``TIMEOUT``."""
+        now = time.monotonic()
+        deadlines, parents = self._deadlines, self.output_processor.parents
+        while deadlines and deadlines[0][0] <= now:
+            parent = heapq.heappop(deadlines)[2]
+            if parents.get(parent.request_id) is parent:  # else it finished already
+                self._finished_elsewhere += self.scheduler.finish_requests(
+                    list(parent.children), RequestStatus.FINISHED_ABORTED, TIMEOUT)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._finished_elsewhere)
@@ -152,6 +178,8 @@ class EngineCore:
         """
         prof = self.profiler
         prof.start()
+        if self._deadlines:
+            self._abort_expired()
         sched = self.scheduler.schedule()
         self._finished_elsewhere += self.scheduler.take_grammar_failures()
         prof.lap("schedule")

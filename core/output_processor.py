@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from core.detokenizer import DetokenizationError, IncrementalDetokenizer
+from core.lifecycle import TIMEOUT, RequestStats
 from core.outputs import CompletionOutput, RequestOutput
 from core.request import Request, RequestStatus
 from core.scheduler import RequestUpdate
@@ -121,11 +122,24 @@ class OutputProcessor:
                                 False, parent.num_cached_tokens)
             by_parent[parent.request_id] = out
         out.outputs.append(completion)
+        if completion.finish_reason is not None:
+            out.finished_stats.append(request_stats(request))
         if request.error:
             out.error = request.error
         if parent.num_finished == len(parent.children):
             out.finished = True
             del self.parents[parent.request_id]
+
+
+def request_stats(request: Request) -> RequestStats:
+    times = request.times
+    if times.finished is None:  # refused before it was queued
+        times.finished = time.monotonic()
+    reason = request.finish_reason
+    return RequestStats(request.request_id, reason, times, request.num_prompt_tokens,
+                        request.num_output_tokens, max(request.num_cached_tokens, 0),
+                        request.num_preemptions,
+                        timed_out=reason == "abort" and request.stop_reason == TIMEOUT)
 
 
 def _finish(request: Request, status: RequestStatus, reason: str | None, stop: StopFn) -> None:

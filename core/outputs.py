@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.lifecycle import RequestStats
 
 # One entry per generated token: {token_id: logprob} holding the sampled token and the top-N.
 TokenLogprobs = dict[int, float]
@@ -37,6 +41,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # the lifecycle of each engine request (choice) that finished in this delta
+    finished_stats: list[RequestStats] = field(default_factory=list)
 
     def merge(self, newer: RequestOutput) -> None:
         """Fold a later delta into this one (text and ids concatenated, logprobs extended)."""
@@ -58,6 +64,7 @@ class RequestOutput:
         self.error = newer.error or self.error
         self.num_cached_tokens = max(self.num_cached_tokens, newer.num_cached_tokens)
         self.metrics.update(newer.metrics)
+        self.finished_stats.extend(newer.finished_stats)
 
 
 class RequestOutputCollector:

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from core.lifecycle import RequestTimes
 from core.sampling_params import SamplingParams
 
 
@@ -63,8 +64,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    times: RequestTimes = field(init=False, repr=False)  # its lifecycle, stamped as it goes
 
     def __post_init__(self) -> None:
+        self.times = RequestTimes(self.arrival_time)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []  # hashes of this request's full blocks
         # Counters kept as attributes, not properties over the lists: the scheduler reads

@@ -10,19 +10,24 @@ ms at the prompt's start and about 70 ms at its end, when charged by tokens alon
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.kv_cache_manager import KVCacheManager
+from core.lifecycle import RateLimitedWarning
 from core.outputs import TokenLogprobs
 from core.request import Request, RequestStatus
 from core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
         self._grammar_failures: list[Request] = []  # finished since the last take
+        self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
+        self._preemption_warning = RateLimitedWarning(logger)
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> str | None:
@@ -76,6 +83,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.times.queued = time.monotonic()
         return None
 
     def _never_fits(self, request: Request) -> str | None:
@@ -127,6 +135,7 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         new: list[NewRequestData] = []
         preempted: list[Request] = []
+        self._now = time.monotonic()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -170,6 +179,7 @@ class Scheduler:
         """Count ``n`` tokens of ``request`` as computed by this step."""
         num_scheduled[request.request_id] = n
         request.num_computed_tokens += n
+        request.times.num_steps += 1
         if (self.config.async_scheduling and request.num_computed_tokens
                 >= request.num_tokens + request.num_output_placeholders):
             request.num_output_placeholders += 1
@@ -236,6 +246,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        request.times.events.append(("preempted", self._now))
+        self._preemption_warning.warn("Request %s preempted. KV blocks freed.",
+                                      request.request_id)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new: list[NewRequestData]) -> int:
@@ -279,6 +292,11 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            times = request.times
+            if request.status == RequestStatus.PREEMPTED:
+                times.events.append(("resumed", self._now))
+            elif times.scheduled is None:
+                times.scheduled = self._now
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -300,6 +318,7 @@ class Scheduler:
         updates = []
         requests = self.requests
         logprobs = output.logprobs
+        now = time.monotonic()
         for i, (req_id, token_id) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             request = requests.get(req_id)  # only unfinished requests are in it
             if request is None:
@@ -307,6 +326,10 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             request.append_output_token(token_id)
+            times = request.times
+            if times.first_token is None:
+                times.first_token = now
+            times.last_token = now
             finished = False
             grammar_done = (self.structured is not None
                             and self.structured.accept(req_id, token_id))
@@ -343,6 +366,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.times.finished = time.monotonic()
         self.kv.free(request)
         if self.structured is not None:
             self.structured.remove(request.request_id)

@@ -415,7 +415,8 @@ def test_serve_help_groups_flags_by_topic() -> None:
     assert {"device", "cpu_kernels", "enforce_eager"} <= set(groups["device (CPU and GPU)"])
     assert groups["API and security"] == ["api_key", "allowed_origins", "max_request_bytes"]
     assert groups["chat and tools"] == ["chat_template", "tool_call_parser"]
-    assert groups["logging"] == ["log_level"]
+    assert groups["logging"] == ["log_level", "enable_request_tracing", "otlp_traces_endpoint"]
+    assert "request_timeout" in groups["engine and scheduler"]
 
 
 def test_banner_urls() -> None:

@@ -86,6 +86,24 @@ def test_load_generator_against_tidal(server: Any) -> None:
     assert report["server"]["process_cpu_s"] > 0  # read from tidal's /metrics
 
 
+def test_time_breakdown_against_tidal(server: Any, capsys: pytest.CaptureFixture) -> None:
+    """``bench/time_breakdown.py`` reads where the time went from tidal's /metrics: each
+    workload's requests, and shares of queue, prefill and decode that add up."""
+    from bench.time_breakdown import QUICK, main
+
+    rows = dict(main(["--url", server.url, "--quick"]))
+    assert list(rows) == [mix.name for mix in QUICK]
+    for mix in QUICK:
+        phases = rows[mix.name]
+        assert phases["requests"] == mix.num_requests + mix.num_long
+        assert phases["prefill"]["mean_ms"] > 0 and phases["decode"]["mean_ms"] > 0
+        assert sum(phases[k]["share"] for k in ("queue", "prefill", "decode")) == \
+            pytest.approx(1.0)
+        assert phases["tokenization_mean_ms"] > 0
+    table = capsys.readouterr().out
+    assert "| c4-in16 | 4 |" in table and "queue / prefill / decode" in table
+
+
 def test_load_generator_runs_its_workloads_on_uvloop(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture) -> None:
     """The client's own CPU per event comes out of the server under test on a small host."""
@@ -189,6 +207,14 @@ def test_ratios_table_and_plots(tmp_path: Path) -> None:
     assert r["TTFT p50 ms"] == pytest.approx(0.25)
     text = markdown(result)
     assert "| c1-in32 | 4.00x | 4.00x | 0.25x" in text
+    assert "time went" not in text  # no phases in these reports
+    phases = {"requests": 4.0, "queue": {"mean_ms": 1.0, "share": 0.1},
+              "prefill": {"mean_ms": 2.0, "share": 0.2},
+              "decode": {"mean_ms": 7.0, "share": 0.7}, "preemptions_per_request": 0.5}
+    result["scenarios"][0]["reports"]["tidal"]["server"] = {"phases": phases}
+    assert ("## Where tidal's time went" in markdown(result)
+            and "| c1-in32 | 4 | 1.0 | 2.0 | 7.0 | 10% / 20% / 70% | 0.50 | - |"
+            in markdown(result))
     path = tmp_path / "cmp.json"
     path.write_text(json.dumps(result))
     for png in plot_all(path, tmp_path):
@@ -249,6 +275,7 @@ def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
             assert cls["failed"] == 0 and cls["completed"] > 0
         assert len(scenario["reports"]["tidal"]["round_output_tok_per_s"]) == 2
     assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5 + 4  # 4 in Rounds
+    assert "## Where tidal's time went" in (tmp_path / "smoke.md").read_text()
     assert (tmp_path / "smoke_throughput.png").is_file()
 
 
