@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +37,16 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from app.errors import ApiError, bad_request
 from app.metrics import RequestTracker
 from app.protocol import PreparedRequest, prepare_chat_request
-from app.serving import chat_logprobs, check_grammar, generate, usage
+from app.serving import (
+    chat_logprobs,
+    check_grammar,
+    generate,
+    timed_out,
+    timeout_error,
+    usage,
+)
 from app.state import ServerState
+from core.lifecycle import Arrival
 from core.outputs import CompletionOutput
 from templates import TEMPLATES_DIR
 
@@ -141,6 +150,7 @@ class ChatSocket:
                 409, "a reply is still streaming on this socket; send a cancel frame or wait "
                 "for its done frame", type="invalid_request_error", code="turn_in_flight"))
             return
+        arrived = time.monotonic()
         turn = Turn(id=f"chatcmpl-{uuid.uuid4().hex}")
         truncation = body.pop("truncation", None)
         if truncation not in (None, "auto", "disabled"):
@@ -153,6 +163,7 @@ class ChatSocket:
             prepared = prepare_chat_request(body | {"stream": True}, self.state,
                                             require_model=False,
                                             truncate=truncation == "auto")
+            prepared.arrival = Arrival(arrived, time.monotonic(), prepared.timeout)
             await check_grammar(self.state, prepared.params)
         except ApiError as exc:
             await self.send_error(exc, turn.id)
@@ -216,14 +227,19 @@ class ChatSocket:
     async def _stream(self, turn: Turn, prep: PreparedRequest, tracker: RequestTracker
                       ) -> None:
         """Forward the engine's deltas as delta frames until the request finishes."""
-        stream = generate(self.state, turn.id, prep.prompt_token_ids, prep.params, prep.prompt)
+        stream = generate(self.state, turn.id, prep.prompt_token_ids, prep.params, prep.prompt,
+                          prep.arrival)
+        expired = False
         async with contextlib.aclosing(stream):
             async for out in stream:
+                expired = expired or timed_out(out)
                 tracker.observe(out)
                 turn.num_cached_tokens = max(turn.num_cached_tokens, out.num_cached_tokens)
                 for choice in out.outputs:
                     if await self._forward(turn, prep, choice):
                         tracker.sent()
+        if expired:  # the error frame names the timeout, where a done frame would come
+            raise timeout_error(prep.timeout)
 
     async def _forward(self, turn: Turn, prep: PreparedRequest, choice: CompletionOutput
                        ) -> bool:

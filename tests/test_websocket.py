@@ -58,7 +58,7 @@ class ScriptedEngine:
                 event.set()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, prompt: str | None = None
+                       request_id: str, prompt: str | None = None, arrival: Any = None
                        ) -> AsyncIterator[RequestOutput]:
         self.started.append(request_id)
         self.prompts.append(list(prompt_token_ids))

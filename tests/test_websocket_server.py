@@ -121,6 +121,21 @@ async def test_cancel_frame_aborts_the_turn_and_frees_its_blocks(server: str) ->
 
 
 @pytest.mark.integration
+async def test_a_turn_past_its_timeout_ends_in_an_error_frame_naming_it(server: str) -> None:
+    before = aborted(wait_until_idle(server))
+    async with websockets.connect(ws_url(server)) as ws:
+        await ws.send(json.dumps(LONG_REQUEST | {"timeout": 0.5}))
+        deltas, end = await turn_frames(ws)
+        assert deltas, "tokens should stream before the timeout"
+        assert end["type"] == "error" and end["error"]["code"] == "request_timeout", end
+        assert end["error"]["param"] == "timeout" and end["id"] == deltas[0]["id"]
+        await ws.send(json.dumps({"messages": HELLO, "timeout": 0}))
+        _, refused = await turn_frames(ws)
+        assert refused["type"] == "error" and refused["error"]["param"] == "timeout", refused
+    assert aborted(wait_until_idle(server)) == before + 1
+
+
+@pytest.mark.integration
 async def test_closing_the_socket_mid_turn_aborts_it(server: str) -> None:
     before = aborted(wait_until_idle(server))
     for _ in range(3):
