@@ -1,7 +1,8 @@
 """``python -m app serve`` / ``tidal serve``: load the model, then serve the API with hypercorn
 on uvloop.
 
-The model loads before the socket opens, so once ``/health`` answers the server is ready.
+The socket opens first and the model loads behind it: ``/health`` answers 503 until the engine
+is up, then 200 (``app/loading.py``).
 SIGINT/SIGTERM first stop the engine, which ends every in-flight stream with an error event
 and ``[DONE]``, then let hypercorn close the connections.
 """
@@ -21,10 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
-    from starlette.applications import Starlette
 
     from app.state import ServerSettings
     from core.async_engine import AsyncEngine
+    from core.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -201,9 +202,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from app.server import build_app
     from app.state import ServerSettings
-    from core.async_engine import AsyncEngine
     from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
     try:
@@ -220,21 +219,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
-    logger.info("loading %s on %s", config.model, args.device)
-    engine = AsyncEngine(config)
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port, allowed_origins=args.allowed_origins,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser)
-    app = build_app(engine, settings)
-    try:
-        logger.info("%s", startup_banner(engine, settings))
-    except Exception:  # a log line never stops the server
-        logger.exception("the start-up banner failed")
-    run_event_loop(_serve(app, settings, engine))
-    return 0
+    return run_event_loop(_serve(config, settings))
 
 
 def base_url(settings: ServerSettings) -> str:
@@ -296,11 +287,17 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     return config
 
 
-async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> None:
+async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
+    """Open the socket, load the model meanwhile (``/health`` answers 503 until it is up), then
+    serve; 1 if the model failed to load."""
     from hypercorn.asyncio import serve
 
+    from app.loading import LoadingGate
+    from app.server import build_app
+    from core.async_engine import AsyncEngine
     from core.heap import freeze_startup_objects  # core's package imports torch
 
+    gate = LoadingGate()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -308,14 +305,36 @@ async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) 
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not on this platform or thread
             pass
+    failed: list[BaseException] = []
+
+    async def load() -> None:
+        logger.info("loading %s on %s", config.model, config.device)
+        try:  # the engine builds itself on its own thread; this one only waits for it
+            engine = await asyncio.to_thread(AsyncEngine, config)
+        except Exception as exc:
+            logger.exception("the model failed to load")
+            failed.append(exc)
+            stop.set()
+            return
+        app = build_app(engine, settings)
+        try:
+            logger.info("%s", startup_banner(engine, settings))
+        except Exception:  # a log line never stops the server
+            logger.exception("the start-up banner failed")
+        freeze_startup_objects()  # the model, modules and app live as long as the process
+        await gate.open(app)
 
     async def shutdown_trigger() -> None:
         await stop.wait()
         logger.info("shutting down")
-        await engine.shutdown()
+        await gate.close()  # stops the engine, which ends every stream with an error event
 
-    freeze_startup_objects()  # the model, modules and app live as long as the process
-    await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
+    loading = asyncio.create_task(load())
+    try:
+        await serve(gate, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
+    finally:
+        loading.cancel()
+    return 1 if failed else 0
 
 
 def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +13,12 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
+from app.loading import LoadingGate
 from app.server import build_app
 from app.state import ServerSettings
+from bench.processes import ROOT, free_port
 from bench.server_metrics import parse_metrics
 from core.async_engine import AsyncEngine
 from core.block_pool import BlockPool
@@ -211,3 +216,34 @@ def test_a_dead_engine_fails_health_and_flush_with_openai_errors(model_dir: Path
     for path in ("/health", "/flush_cache"):  # the lifespan stopped the engine
         dead = TestClient(app).request("POST" if path == "/flush_cache" else "GET", path)
         assert dead.status_code == 503 and dead.json()["error"]["code"] == "engine_dead"
+
+
+# -- /health while the model loads ------------------------------------------------------------
+def test_the_gate_answers_503_until_the_engine_is_up(model_dir: Path) -> None:
+    gate = LoadingGate()
+    with TestClient(gate) as client:
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"),
+                             ("POST", "/v1/completions")):
+            loading = client.request(method, path)
+            assert loading.status_code == 503 and loading.headers["retry-after"] == "1"
+            assert loading.json()["error"]["code"] == "model_loading"
+        with pytest.raises(WebSocketDisconnect) as closed, \
+                client.websocket_connect("/v1/chat/ws") as ws:
+            ws.receive_json()
+        assert closed.value.code == 1013
+        engine = AsyncEngine(_config(model_dir))
+        client.portal.call(gate.open, build_app(engine, ServerSettings(  # type: ignore[union-attr]
+            served_model_name="tiny")))
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert not engine.is_alive  # the gate's shutdown ended the app's lifespan
+
+
+def test_a_model_that_fails_to_load_exits_non_zero(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    done = subprocess.run([sys.executable, "-m", "app", "serve", "--model", str(broken),
+                           "--port", str(free_port())], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "the model failed to load" in done.stderr, done.stderr
