@@ -129,21 +129,19 @@ class LaunchedServer:
 
 
 class SglangRouter(LaunchedServer):
-    """sglang-router in front of running replicas (``worker_urls``), on a free port; it
-    checks their /health every second and takes one failure as a replica gone. Ready once it
-    has registered every replica (``wait_ready``)."""
+    """sglang-router in front of running replicas (``worker_urls``) with ``router_args`` (its
+    policy, ...), on a free port; it checks their /health every second and takes one failure
+    as a replica gone. Ready once it has registered every replica (``wait_ready``)."""
 
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware",
-                 *router_args: str) -> None:
+    def __init__(self, worker_urls: list[str], router_args: list[str]) -> None:
         self.worker_urls = list(worker_urls)
-        self.policy = policy
         self.router_args = list(router_args)
         super().__init__("", [])
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "sglang_router.launch_router",
-                "--worker-urls", *self.worker_urls, "--policy", self.policy,
-                "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *self.worker_urls, "--host", "127.0.0.1",
+                "--port", str(self.port),
                 "--prometheus-port", str(free_port()),  # its default, 29000, may be taken
                 "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--log-level", "warn", *self.router_args]

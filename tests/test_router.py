@@ -1,12 +1,14 @@
-"""Two replicas of ``python -m app serve`` behind the real sglang-router (``cache_aware``):
-every request of a prefix family (a long system prompt shared by short questions) lands on one
-replica, which then serves the family from its prefix cache, as each replica's ``/metrics``
-shows; a replica killed mid-run costs only the streams it held, and the router sends later
-requests, of every family, to the survivor."""
+"""Two replicas of ``python -m app serve`` behind the real sglang-router, started as the
+README's "Several replicas behind a router" says (``cache_aware``): every request of a prefix
+family (a long system prompt shared by short questions) lands on one replica, which then serves
+the family from its prefix cache, as each replica's ``/metrics`` shows; a replica killed mid-run
+costs only the streams it held, and the router sends later requests, of every family, to the
+survivor."""
 
 from __future__ import annotations
 
 import random
+import shlex
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import pytest
 
 from bench.processes import LaunchedServer, SglangRouter
 from tests.live_server import DEVICE_ARGS, build_chat_model, metrics
+from tests.test_readme import BLOCKS, REPLICAS_SECTION, commands
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (the dev extra)")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,8 +31,32 @@ QUERIES = "tidal:prefix_cache_queries_total"
 HITS = "tidal:prefix_cache_hits_total"
 
 
+def readme_setup() -> tuple[list[list[str]], list[str]]:
+    """The README's replica set-up: each replica's ``python -m app serve`` arguments, and the
+    router's (every ``launch_router`` flag but its workers and port), checking the router is
+    pointed at the replicas."""
+    lines = [line for b in BLOCKS if b.section == REPLICAS_SECTION for line in commands(b)]
+    argvs = [shlex.split(part) for line in lines for part in line.split("&") if part.strip()]
+    serves = [a[4:] for a in argvs if a[:4] == ["python", "-m", "app", "serve"]]
+    (router,) = [a for a in argvs if a[:3] == ["python", "-m", "sglang_router.launch_router"]]
+    assert len(serves) == 2 and len(argvs) == 3, lines
+    urls, rest, args = [], [], iter(router[3:])
+    for arg in args:
+        if arg == "--worker-urls":
+            urls = [next(args) for _ in serves]
+        elif arg == "--port":
+            next(args)
+        else:
+            rest.append(arg)
+    ports = [serve[serve.index("--port") + 1] for serve in serves]
+    assert urls == [f"http://127.0.0.1:{port}" for port in ports], (urls, ports)
+    return [[a for a in serve if a not in ("--port", port)] for serve, port in zip(serves, ports)
+            ], rest
+
+
 class Replica(LaunchedServer):
-    """One replica; the two share the host's cores, one thread each."""
+    """One replica: the README's serve arguments on a tiny chat model; the two share the
+    host's cores, one thread each."""
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "OMP_NUM_THREADS": "1"}
@@ -100,14 +127,15 @@ class Stream:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[SglangRouter, list[Replica]]]:
+    serves, router_args = readme_setup()
     model = build_chat_model(tmp_path_factory.mktemp("router") / "tiny")
     args = [*DEVICE_ARGS, "--served-model-name", "tiny", "--kv-cache-memory", "32MiB"]
-    replicas = [Replica(str(model), args) for _ in range(2)]
+    replicas = [Replica(str(model), [*serve, *args]) for serve in serves]
     router = None
     try:
         for replica in replicas:
             replica.wait_ready(600)
-        router = SglangRouter([r.url for r in replicas])
+        router = SglangRouter([r.url for r in replicas], router_args)
         router.wait_ready(300)
         yield router, replicas
     finally:
