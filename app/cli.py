@@ -1,7 +1,8 @@
 """``python -m app serve`` / ``tidal serve``: load the model, then serve the API with hypercorn
 on uvloop.
 
-The model loads before the socket opens, so once ``/health`` answers the server is ready.
+The socket opens first and the model loads behind it: ``/health`` answers 503 until the engine
+is up, then 200 (``app/loading.py``).
 SIGINT/SIGTERM first stop the engine, which ends every in-flight stream with an error event
 and ``[DONE]``, then let hypercorn close the connections.
 """
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
-    from starlette.applications import Starlette
 
     from app.state import ServerSettings
     from core.async_engine import AsyncEngine
@@ -237,9 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from app.server import build_app
     from app.state import ServerSettings
-    from core.async_engine import AsyncEngine
     from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
     try:
@@ -269,8 +267,6 @@ def serve(args: argparse.Namespace) -> int:
         except RuntimeError as exc:  # the OpenTelemetry packages are missing
             print(f"tidal: error: {exc}", file=sys.stderr)
             return 2
-    logger.info("loading %s on %s", config.model, args.device)
-    engine = AsyncEngine(config)
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         model_path=config.model,
@@ -279,12 +275,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         request_timeout=args.request_timeout, enable_request_tracing=args.enable_request_tracing,
         otlp_traces_endpoint=args.otlp_traces_endpoint)
-    app = build_app(engine, settings, tracer)
-    try:
-        logger.info("%s", startup_banner(engine, settings))
-    except Exception:  # a log line never stops the server
-        logger.exception("the start-up banner failed")
-    return run_event_loop(_serve(app, settings, engine))
+    return run_event_loop(_serve(config, settings, tracer))
 
 
 def serve_workers_only(config: EngineConfig) -> int:
@@ -366,12 +357,17 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
 DEAD_ENGINE_GRACE_S = 1.0
 
 
-async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) -> int:
-    """Serve until a signal (exit status 0) or until the engine dies (1)."""
+async def _serve(config: EngineConfig, settings: ServerSettings, tracer: Any = None) -> int:
+    """Open the socket, load the model meanwhile (``/health`` answers 503 until it is up), then
+    serve until a signal; 1 if the model failed to load or the engine died later."""
     from hypercorn.asyncio import serve
 
+    from app.loading import LoadingGate
+    from app.server import build_app
+    from core.async_engine import AsyncEngine
     from core.heap import freeze_startup_objects  # core's package imports torch
 
+    gate = LoadingGate()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -379,30 +375,51 @@ async def _serve(app: Starlette, settings: ServerSettings, engine: AsyncEngine) 
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not on this platform or thread
             pass
+    failed: list[BaseException] = []
 
-    died = False
+    async def load() -> None:
+        logger.info("loading %s on %s", config.model, config.device)
+        try:  # the engine builds itself on its own thread; this one only waits for it
+            engine = await asyncio.to_thread(AsyncEngine, config)
+        except Exception as exc:
+            logger.exception("the model failed to load")
+            failed.append(exc)
+            stop.set()
+            return
+        app = build_app(engine, settings, tracer)
+        try:
+            logger.info("%s", startup_banner(engine, settings))
+        except Exception:  # a log line never stops the server
+            logger.exception("the start-up banner failed")
+        freeze_startup_objects()  # the model, modules and app live as long as the process
+        await gate.open(app)
+        watching.append(loop.create_task(watch_engine(engine)))
 
-    async def watch_engine() -> None:
-        nonlocal died
+    watching: list[asyncio.Task] = []
+
+    async def watch_engine(engine: AsyncEngine) -> None:
+        """A dead engine (a lost worker) ends the server, a moment later."""
         while engine.is_alive or engine.error is None:
             await asyncio.sleep(0.1)
         if not stop.is_set():
-            died = True
             logger.error("the engine died (%s): exiting", engine.error)
+            failed.append(engine.error)
             await asyncio.sleep(DEAD_ENGINE_GRACE_S)
             stop.set()
 
-    watcher = loop.create_task(watch_engine())
-
     async def shutdown_trigger() -> None:
         await stop.wait()
-        watcher.cancel()
         logger.info("shutting down")
-        await engine.shutdown()
+        await gate.close()  # stops the engine, which ends every stream with an error event
 
-    freeze_startup_objects()  # the model, modules and app live as long as the process
-    await serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
-    return 1 if died else 0
+    loading = asyncio.create_task(load())
+    try:
+        await serve(gate, _hypercorn_config(settings), shutdown_trigger=shutdown_trigger)
+    finally:
+        loading.cancel()
+        for task in watching:
+            task.cancel()
+    return 1 if failed else 0
 
 
 def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:

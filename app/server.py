@@ -25,6 +25,7 @@ from app.chat_completions import chat_completions
 from app.completions import completions
 from app.errors import ApiError
 from app.metrics import CONTENT_TYPE
+from app.replica import flush_cache, get_load, load, model_info, server_info
 from app.serving import check_api_key, get_state
 from app.state import ServerSettings, ServerState
 from app.tracing import install as install_request_tracing
@@ -59,6 +60,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            # what routers in front of several replicas probe (app/replica.py)
+            Route("/get_server_info", server_info, methods=["GET"]),
+            Route("/server_info", server_info, methods=["GET"]),
+            Route("/get_model_info", model_info, methods=["GET"]),
+            Route("/model_info", model_info, methods=["GET"]),
+            Route("/load", load, methods=["GET"]),
+            Route("/get_load", get_load, methods=["GET"]),
+            Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
             WebSocketRoute("/v1/chat/ws", chat_websocket),
             Route("/", chat_page, methods=["GET"]),
         ],

@@ -6,6 +6,7 @@ One ``ServerState`` lives on ``app.state.tidal``. Handlers read the engine's sta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,8 @@ class ServerState:
     vocab_size: int
     kv_capacity_tokens: int  # tokens the whole KV cache holds: one sequence can use no more
     max_num_seqs: int  # sequences in one batch: how many one request may have in the engine
+    # the engine's configuration as plain values, for /get_server_info
+    engine_config: dict[str, Any] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
@@ -66,7 +69,8 @@ class ServerState:
                                                      settings.chat_template),
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
-            max_num_seqs=core.config.max_num_seqs)
+            max_num_seqs=core.config.max_num_seqs,
+            engine_config=dataclasses.asdict(core.config))
 
     @property
     def context_tokens(self) -> int:

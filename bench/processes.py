@@ -4,6 +4,7 @@ browsers."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -125,3 +126,36 @@ class LaunchedServer:
             stop_process_group(self.proc, 60)
         else:
             stop_process(self.proc, 60)
+
+
+class SglangRouter(LaunchedServer):
+    """sglang-router in front of running replicas (``worker_urls``) with ``router_args`` (its
+    policy, ...), on a free port; it checks their /health every second and takes one failure
+    as a replica gone. Ready once it has registered every replica (``wait_ready``)."""
+
+    def __init__(self, worker_urls: list[str], router_args: list[str]) -> None:
+        self.worker_urls = list(worker_urls)
+        self.router_args = list(router_args)
+        super().__init__("", [])
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang_router.launch_router",
+                "--worker-urls", *self.worker_urls, "--host", "127.0.0.1",
+                "--port", str(self.port),
+                "--prometheus-port", str(free_port()),  # its default, 29000, may be taken
+                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                "--log-level", "warn", *self.router_args]
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        super().wait_ready(timeout)
+        while self.healthy_workers() != len(self.worker_urls):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = Path(self.log.name).read_text(errors="replace")
+                raise RuntimeError(f"the router never registered its replicas:\n{log}")
+            time.sleep(0.5)
+
+    def healthy_workers(self) -> int:
+        """Replicas the router would send a request to now."""
+        with urllib.request.urlopen(self.url + "/workers", timeout=10) as resp:
+            return sum(w["is_healthy"] for w in json.load(resp)["workers"])

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from core.config import EngineConfig
 from core.engine_core import EngineCore, EngineStats
@@ -54,6 +55,15 @@ class _Failed:
     error: BaseException
 
 
+@dataclass
+class _Call:
+    """Run ``fn(core)`` on the engine thread between steps; its result (or exception) comes
+    back to ``future`` on the event loop."""
+
+    fn: Callable[[EngineCore], Any]
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -73,6 +83,7 @@ class AsyncEngine:
         self._launch: queue.SimpleQueue | None = None  # start() -> the waiting engine thread
         self._dead: BaseException | None = None
         self._pending: tuple[list, EngineStats] | None = None  # outputs not yet posted
+        self._calls: set[asyncio.Future] = set()  # _Call futures not yet resolved
         if core is None:
             if config is None:
                 raise ValueError("AsyncEngine needs a config or an EngineCore")
@@ -176,6 +187,33 @@ class AsyncEngine:
     def abort(self, *request_ids: str) -> None:
         self._inbox.put(_Abort(list(request_ids)))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache on the engine thread (``EngineCore.reset_prefix_cache``)."""
+        return await self._call(lambda core: core.reset_prefix_cache())
+
+    async def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'not started'})")
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._calls.add(future)
+        self._inbox.put(_Call(fn, future))
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
+
+    @staticmethod
+    def _resolve(done: tuple[asyncio.Future, Any, BaseException | None]) -> None:
+        """Runs on the event loop: settle a ``_Call``'s future."""
+        future, result, exc = done
+        if future.done():  # its caller was cancelled, or the engine died first
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
     def _post(self, step: tuple[list[RequestOutput | tuple[str, BaseException]], EngineStats]
               ) -> None:
         """Runs on the event loop: hand each delta to its request's collector."""
@@ -204,6 +242,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for collector in self._collectors.values():
             collector.put(exc)
+        for future in self._calls:
+            if not future.done():
+                future.set_exception(exc)
 
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -268,11 +309,22 @@ class AsyncEngine:
                 continue
             if isinstance(item, _Failed):
                 raise item.error
+            if isinstance(item, _Call):
+                self._run_call(item)
+                continue
             try:
                 self.core.add_request(item.request_id, item.prompt_token_ids, item.params,
                                       prompt=item.prompt, arrival=item.arrival)
             except ValueError as exc:
                 errors.append((item.request_id, exc))
+
+    def _run_call(self, call: _Call) -> None:
+        result, error = None, None
+        try:
+            result = call.fn(self.core)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
+            error = exc
+        self._call_loop(self._resolve, (call.future, result, error))
 
     def _call_loop(self, fn, arg) -> None:
         loop = self._loop

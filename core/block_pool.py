@@ -126,6 +126,11 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix of every idle block, so no later request hits it. Blocks held by
+        running requests keep theirs: their owners still use them. True when the index is
+        empty afterwards, False when running requests kept some entries."""
         for block in self.blocks:
-            self._evict(block)
+            if block.ref_cnt == 0:
+                self._evict(block)
+        return not self.cached

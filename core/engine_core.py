@@ -239,3 +239,6 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits, num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""
+        return self.kv.reset_prefix_cache()

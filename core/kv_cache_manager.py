@@ -98,6 +98,11 @@ class KVCacheManager:
         self._room.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (``BlockPool.reset_prefix_cache``); the hit counters stay, as
+        counters do."""
+        return self.pool.reset_prefix_cache()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
