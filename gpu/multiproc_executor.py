@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -98,8 +98,7 @@ class MultiprocExecutor(Executor):
         return value
 
     def _read(self) -> tuple[str, Any]:
-        sentinels = {p.sentinel: p for p in self.workers}
-        ready = wait([self._conn, *sentinels])
+        ready = wait([self._conn, *(p.sentinel for p in self.workers)])
         if self._conn in ready:
             try:
                 return self._conn.recv()
@@ -107,19 +106,22 @@ class MultiprocExecutor(Executor):
                 pass
         dead = [p for p in self.workers if not p.is_alive()]
         self._fail(ExecutorFailedError(_deaths(dead) or "rank 0's pipe closed"))
-        raise AssertionError("unreachable")
 
     # -- failure and shutdown -----------------------------------------------------------
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
             raise self._failed
 
-    def _fail(self, exc: ExecutorFailedError) -> None:
+    def _record_failure(self, exc: ExecutorFailedError) -> None:
+        """The first failure stands; it stops every worker."""
         if self._failed is None:
             self._failed = exc
             logger.error("%s; stopping the workers", exc)
             self._stop_workers(graceful=False)
-        raise self._failed
+
+    def _fail(self, exc: ExecutorFailedError) -> NoReturn:
+        self._record_failure(exc)
+        raise self._failed  # type: ignore[misc]
 
     def _watch(self) -> None:
         """Between steps, a dead worker is noticed here (within a step, by ``_read``)."""
@@ -127,13 +129,9 @@ class MultiprocExecutor(Executor):
         if self._stopping or self._failed is not None:
             return
         dead = [p for p in self.workers if not p.is_alive()]
-        exc = ExecutorFailedError(_deaths(dead))
-        if self._failed is None:
-            self._failed = exc
-            logger.error("%s; stopping the workers", exc)
-            self._stop_workers(graceful=False)
-        if self.on_failure is not None:
-            self.on_failure(exc)
+        self._record_failure(ExecutorFailedError(_deaths(dead)))
+        if self.on_failure is not None and self._failed is not None:
+            self.on_failure(self._failed)
 
     def shutdown(self) -> None:
         if self._stopping:
