@@ -160,7 +160,8 @@ async def profile(config: EngineConfig, batch_sizes: list[int], input_len: int, 
     engine = AsyncEngine(config)
     engine.start()
     try:
-        await profile_batch(engine, 2, input_len, 4, 0, seed=99)  # warm-up
+        warm = min(2, config.max_num_seqs)  # a batch that runs together at --max-num-seqs 1
+        await profile_batch(engine, warm, input_len, 4, 0, seed=99)  # warm-up
         return [await profile_batch(engine, b, input_len, steps, functions, seed=b)
                 for b in batch_sizes]
     finally:
