@@ -10,8 +10,9 @@ import torch
 
 from gpu.attention import AttentionBackend
 from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
+from gpu.cpu import selector
 from gpu.cpu.decode_stack import build_decode_stack
-from gpu.cpu.op_plans import ModelPlans, log_plans, plan_model, stack_rows
+from gpu.cpu.op_plans import ModelPlans, log_plans, plan_decode_stack, plan_model, stack_rows
 from gpu.cpu.packed_linear import can_pack
 from gpu.cpu.selector import PlanCache
 from gpu.model_config import ModelConfig
@@ -90,11 +91,16 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
 def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
                     plan_cache: PlanCache | None = None, timed: bool = True) -> ModelPlans:
     """Plan every op, pack the linears as planned, and build the one-call decode step."""
-    plans = plan_model(model, max_rows, max_seqs, plan_cache, timed)
+    timed_here = timed and selector.mode() == "auto"
+    cache = plan_cache if plan_cache is not None else (PlanCache() if timed_here else None)
+    plans = plan_model(model, max_rows, max_seqs, cache, timed)
     log_plans(plans)
     model.cpu_plans = plans  # for the start-up banner (ModelRunner.kernel_summary)
     model.decode_stack = build_decode_stack(model)
     model.stack_rows = stack_rows(model, max_seqs)
+    if model.decode_stack is not None and timed_here and cache is not None:
+        model.stack_rows = plan_decode_stack(model, max_seqs, cache)
+        cache.save()
     return plans
 
 

@@ -146,9 +146,9 @@ def test_plans_reach_the_model_and_its_outputs_stay_the_same(
     monkeypatch.setenv(selector.MODE_ENV, "auto")
 
     def timer(name: str, fn, calls: int) -> float:
-        if winner == KERNELS:  # tidal's kernels, and for linears its panel GEMM
-            return 1.0 if name in (KERNELS, "panels") else 5.0
-        return 1.0 if name == TORCH else 5.0
+        if winner == KERNELS:  # tidal's kernels, its panel GEMM, its one-call decode step
+            return 1.0 if name in (KERNELS, "panels", op_plans.STACK) else 5.0
+        return 1.0 if name in (TORCH, op_plans.LAYERS) else 5.0
 
     _, cfg, load = _model(tmp_path)
     model = load(PlanCache(tmp_path / "cache", timer=timer))
@@ -197,3 +197,32 @@ def test_every_op_candidate_agrees_with_torch(tmp_path: Path, dtype: torch.dtype
                 for w, g in zip(torch.utils._pytree.tree_leaves(want),
                                 torch.utils._pytree.tree_leaves(got)):
                     torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("step_winner", [op_plans.STACK, op_plans.LAYERS])
+def test_the_one_call_decode_step_is_timed_as_a_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step_winner: str) -> None:
+    """Torch wins SiLU-and-mul alone, tidal's kernels every other op: the one-call decode step
+    still runs where it wins as a whole, and only there."""
+    monkeypatch.setenv(selector.MODE_ENV, "auto")
+
+    def timer(name: str, fn, calls: int) -> float:
+        if name in (op_plans.STACK, op_plans.LAYERS):
+            return 1.0 if name == step_winner else 5.0
+        return 1.0 if name in (KERNELS, "panels") else 5.0
+
+    _, cfg, load = _model(tmp_path)
+    cache = PlanCache(tmp_path / "cache", timer=timer)
+    buckets = tuple(selector.row_buckets(64))  # the loader's max_rows
+    cache.plans[f"silu_and_mul|{cfg.intermediate_size}|float32"] = Plan(
+        buckets, (TORCH,) * len(buckets))  # as if timed so on this host
+    model = load(cache)
+    assert model.layers[0].mlp.act_plan.used() == {TORCH}
+    assert model.decode_stack is not None
+    assert all(model.stack_rows[1:]) == (step_winner == op_plans.STACK)
+    assert any(model.stack_rows[1:]) == all(model.stack_rows[1:])
+    rows = 3
+    fns = op_plans._stack_candidates(model)(rows)
+    torch.testing.assert_close(fns[op_plans.STACK](), fns[op_plans.LAYERS](), rtol=1e-4,
+                               atol=1e-4)

@@ -30,6 +30,7 @@ from gpu.quantization.linear import plan_quant_linears
 logger = logging.getLogger(__name__)
 
 DECODE_CONTEXT = 256  # positions each decode row attends over while timed
+STACK, LAYERS = "one-call step", "layers"  # how a decode step may run (plan_decode_stack)
 BLOCK_SIZE = 16
 
 Candidates = Callable[[int], dict[str, Callable[[], object]]]
@@ -115,11 +116,49 @@ def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int
 
 def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
     """For 0, 1, ... ``max_seqs`` rows: whether every op of a decode step gives them to the
-    kernels, as the one-call decode step runs nothing else (its linears follow their plans)."""
+    kernels, as the one-call decode step runs nothing else (its linears follow their plans).
+    The rule where the step is not timed as a whole (``plan_decode_stack``)."""
     attn = model.layers[0].self_attn
     plans = [model.norm.plan, model.layers[0].mlp.act_plan, attn.rotary.plan,
              getattr(attn.backend, "decode_plan", None)]
     return [all(p is None or p.pick(r) == KERNELS for p in plans) for r in range(max_seqs + 1)]
+
+
+def plan_decode_stack(model: nn.Module, max_seqs: int, cache: PlanCache) -> list[bool]:
+    """For 0, 1, ... ``max_seqs`` rows: whether the one-call decode step beats the step through
+    the layers (each op on its own plan), timed as a whole: timing the ops one by one misses
+    what the one call saves between them, so an op whose torch form wins alone could keep the
+    faster step off."""
+    linears = ",".join(sorted({type(m).__name__ for m in model.layers[0].modules()
+                               if hasattr(m, "kernel")}))
+    cfg, dtype = model.local_config, model.embed_tokens.weight.dtype
+    key = (f"decode_stack|{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}|"
+           f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}|{linears}|"
+           f"{str(dtype).removeprefix('torch.')}|ctx{min(DECODE_CONTEXT, model.max_positions)}")
+    with denormals_flushed():
+        plan = cache.get_or_choose(key, selector.row_buckets(max_seqs), _stack_candidates(model))
+    return [plan.pick(r) == STACK for r in range(max_seqs + 1)]
+
+
+def _stack_candidates(model: nn.Module) -> Candidates:
+    cfg, dtype = model.local_config, model.embed_tokens.weight.dtype
+
+    context = min(DECODE_CONTEXT, model.max_positions)  # the rotary table's length
+
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        meta = paged_layout([context - 1] * rows, [1] * rows, BLOCK_SIZE, seed=rows)
+        caches = [random_caches(meta, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)]
+        ids = torch.randint(0, model.embed_tokens.num_embeddings, (rows,))
+        positions = torch.full((rows,), context - 1, dtype=torch.long)
+
+        def step(on_stack: bool) -> torch.Tensor:
+            model.stack_rows = [on_stack] * (rows + 1)
+            with torch.inference_mode():
+                return model(ids, positions, caches * cfg.num_layers, meta)
+
+        return {STACK: lambda: step(True), LAYERS: lambda: step(False)}
+
+    return candidates
 
 
 def _forced(choice: str) -> Plan:
