@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import RESULTS_DIR, host_line, machine, random_prompts, write_result
+from bench.common import (
+    RESULTS_DIR,
+    host_line,
+    machine,
+    random_prompts,
+    time_ms,
+    write_result,
+)
 from bench.model_shapes import build_shaped_model_dir
 from core import LLM, SamplingParams
 from gpu.model_config import ModelConfig
@@ -60,22 +66,11 @@ def _collective_ranks(rank: int, size: int, port: int, shapes: list[tuple[int, i
         x = torch.randn(rows, hidden)
         logits = torch.randn(rows, -(-vocab // size))
         parts = [torch.empty_like(logits) for _ in range(size)]
-        reduce_ms = _median_ms(lambda x=x: dist.all_reduce(x))
-        gather_ms = _median_ms(lambda p=parts, g=logits: dist.all_gather(p, g))
+        reduce_ms = time_ms(lambda x=x: dist.all_reduce(x), 300)
+        gather_ms = time_ms(lambda p=parts, g=logits: dist.all_gather(p, g), 300)
         if rank == 0:
             out[rows] = {"all_reduce_ms": reduce_ms, "all_gather_ms": gather_ms}
     dist.destroy_process_group()
-
-
-def _median_ms(fn, repeats: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def collectives(size: int, cfg: ModelConfig, batches: list[int]) -> dict[int, dict]:
