@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
-from gpu.quantization.linear import ATEN, QuantLinear, candidate_methods, plan_quant_linears
+from gpu.quantization.linear import (
+    ATEN,
+    DOT,
+    QuantLinear,
+    candidate_methods,
+    plan_quant_linears,
+    round_activations,
+)
 from gpu.quantization.weights import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 
 
@@ -63,6 +70,9 @@ def test_every_method_matches_the_dequantized_linear(fmt, dtype, rows):
     bias = torch.randn(96)
     x = torch.randn(rows, 256)
     ref = F.linear(x, qw.dequantize(), bias)
+    # the dot kernel multiplies x's rows rounded to int8, by float16 scales and offsets
+    dot_ref = F.linear(round_activations(x.to(dtype).float()),
+                       qw.float16_params().dequantize(), bias)
     methods = candidate_methods(qw, torch.device("cpu"))
     assert ATEN in methods and methods[-1] == TORCH
     tol = 1e-4 if dtype == torch.float32 else 6e-2
@@ -70,7 +80,8 @@ def test_every_method_matches_the_dequantized_linear(fmt, dtype, rows):
         layer = QuantLinear(qw, bias, dtype, Plan.always(method))
         y = layer(x.to(dtype))
         assert y.dtype == dtype
-        torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol, msg=method)
+        torch.testing.assert_close(y.float(), dot_ref if method == DOT else ref, atol=tol,
+                                   rtol=tol, msg=method)
 
 
 def test_formats_torch_has_no_op_for_take_the_dequantizing_path():
@@ -86,7 +97,7 @@ def test_planning_keeps_only_the_layouts_the_plan_uses(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
     model = torch.nn.Sequential(QuantLinear(quantize_int4(_weight(), 32)),
                                 QuantLinear(quantize_int4(_weight(seed=1), 32)))
-    fast = {KERNELS: 2.0, ATEN: 1.0, TORCH: 5.0}
+    fast = {KERNELS: 2.0, DOT: 3.0, ATEN: 1.0, TORCH: 5.0}
     cache = PlanCache(tmp_path, key={"host": "test"},
                       timer=lambda name, fn, calls: (fn(), fast[name])[1])
     plans = plan_quant_linears(model, 8, cache)

@@ -8,6 +8,11 @@ bucket, as it does for float linears:
   activations are widened for it and the result rounded back):
   int8, or 4-bit values two to a byte, in groups of a multiple of one register's floats (16 with
   AVX-512, 8 with AVX2; twice that for 4-bit), dequantized in registers as it streams the weight;
+- ``dot``: tidal's integer kernel (``gpu/cpu/csrc/dot_linear.cpp``): each row of ``x`` is
+  rounded to int8 in blocks of 32 inputs with a scale each (as llama.cpp's activations), and
+  multiplied by the weight's integers with byte dot products (VNNI, or AVX2's pairs). Its
+  result is the weight times the rounded rows, so it is checked against that, and the models
+  it serves against the fidelity bounds of ``--quantization``; scales and offsets in float16;
 - ``aten``: torch's own fused ops, which dequantize inside the GEMM: ``_weight_int8pack_mm``
   (int8 with one scale per output channel) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups
   of 32 to 256 with a scale and a zero point);
@@ -35,9 +40,13 @@ from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.quantization.weights import QuantizedWeight
 
 ATEN = "aten"
-METHODS = (KERNELS, ATEN, TORCH)  # in the order ``force`` prefers them
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations tidal's kernel takes
-CSRC_METHOD_BASE = 4  # csrc's LinearMethod of METHODS[i] is this + i (kQuantTidal, ...)
+DOT = "dot"
+# In the order ``force`` prefers them: the exact kernels first, so an untimed plan keeps the
+# float maths; ``dot`` runs where the selector measures it faster.
+METHODS = (KERNELS, DOT, ATEN, TORCH)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations tidal's kernels take
+CSRC_METHODS = {KERNELS: 4, ATEN: 5, TORCH: 6, DOT: 7}  # csrc's LinearMethod of each
+FLOAT16_MAX = 65504.0
 ATEN_INT4_GROUPS = (32, 64, 128, 256)
 # Weights are timed with at most this many output features (the time grows in proportion).
 TIMED_MAX_OUT_FEATURES = 8192
@@ -49,6 +58,8 @@ def candidate_methods(weight: QuantizedWeight, device: torch.device,
     methods = []
     if device.type == "cpu" and dtype in KERNEL_DTYPES and _tidal_fits(weight):
         methods.append(KERNELS)
+    if device.type == "cpu" and dtype in KERNEL_DTYPES and _dot_fits(weight):
+        methods.append(DOT)
     if device.type == "cpu" and _aten_fits(weight):
         methods.append(ATEN)
     return methods + [TORCH]
@@ -57,6 +68,21 @@ def candidate_methods(weight: QuantizedWeight, device: torch.device,
 def _tidal_fits(w: QuantizedWeight) -> bool:
     kernels = load_cpu_kernels()
     return kernels is not None and kernels.quant_linear_supports(w.bits, w.group_size, w.shape[1])
+
+
+def _dot_fits(w: QuantizedWeight) -> bool:
+    """The dot kernel is built (x86 with AVX2), takes the groups, and the scales and offsets
+    are float16 numbers (none too large; none so small that float16 loses their digits)."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.dot_linear_supports(w.bits, w.group_size, w.shape[1]):
+        return False
+    for t in (w.scales, w.offsets):
+        if t is None:
+            continue
+        a = t.float().abs()
+        if a.max() > FLOAT16_MAX or ((a > 0) & (a < torch.finfo(torch.float16).tiny)).any():
+            return False
+    return True
 
 
 def _aten_fits(w: QuantizedWeight) -> bool:
@@ -76,12 +102,17 @@ class QuantPacks:
         self.tidal = (pack_for_kernel(weight, *self.kernels.quant_linear_tile())
                       if KERNELS in methods else None)
         self.aten = _aten_pack(weight, dtype) if ATEN in methods else None
+        self.dot = (pack_for_dot(weight, self.kernels.dot_linear_tile()[0])
+                    if DOT in methods else None)
 
     def run(self, method: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` by ``method``, from Python (for timing, and where no kernels exist)."""
         if method == KERNELS:
             return self.kernels.quant_linear(x, *self.tidal, self.bits, self.group_size,
                                              self.out_features, bias)
+        if method == DOT:
+            return self.kernels.dot_linear(x, *self.dot, self.bits, self.group_size,
+                                           self.out_features, bias)
         if method == ATEN:
             weight, scales = self.aten
             y = (torch.ops.aten._weight_int8pack_mm(x, weight, scales) if self.bits == 8 else
@@ -98,9 +129,9 @@ class QuantPacks:
         pack = self.kernels.QuantPack(
             self.bits, self.group_size, self.out_features,
             *(self.tidal or (None, None)), *(self.aten or (None, None)),
-            *((w.q, w.scales, w.offsets) if w is not None else (None, None, None)))
-        return self.kernels.PlannedLinear(
-            bias, pack, [CSRC_METHOD_BASE + METHODS.index(m) for m in plan.by_rows()])
+            *((w.q, w.scales, w.offsets) if w is not None else (None, None, None)),
+            *(self.dot or (None, None)))
+        return self.kernels.PlannedLinear(bias, pack, [CSRC_METHODS[m] for m in plan.by_rows()])
 
 
 def pack_for_kernel(w: QuantizedWeight, lanes: int, rows: int
@@ -125,6 +156,44 @@ def pack_for_kernel(w: QuantizedWeight, lanes: int, rows: int
     params = torch.stack([padded(t.float()).view(items, rows, -1).transpose(1, 2)
                           for t in (w.scales, offsets)], dim=2)
     return packed, params.contiguous().view(-1)
+
+
+ACTIVATION_BLOCK = 32  # inputs of x that share one scale in the dot kernel
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the dot kernel multiplies it (the reference it is tested against): each block
+    of ``ACTIVATION_BLOCK`` inputs of a row as ``q * (amax / 127)``, ``q = round(x * (127 /
+    amax))`` in float32 (ties to even), ``amax`` the block's largest magnitude."""
+    blocks = x.float().reshape(-1, x.shape[-1] // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape).to(x.dtype)
+
+
+def pack_for_dot(w: QuantizedWeight, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in ``csrc/dot_linear.cpp``'s layout for items of ``rows`` output rows: (each
+    item's registers, bytes; each item's groups' scales then offsets, float16). A register
+    holds four consecutive inputs of each of the ``rows`` rows: int8 as ``q + 128``; 4-bit
+    values two to a byte, the high nibbles the four inputs after the low ones'. The last item
+    is padded with zero rows."""
+    n, k = w.shape
+    items = -(-n // rows)
+    pad = items * rows - n
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+    if w.bits == 8:
+        q = (padded(w.q).view(torch.uint8) ^ 0x80).view(items, rows, k // 4, 4)
+    else:
+        q = padded(w.q).view(items, rows, k // 8, 2, 4)
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+    packed = q.permute(0, 2, 1, 3).contiguous().view(-1)
+    parts = [w.scales] if w.offsets is None else [w.scales, w.offsets]
+    params = torch.stack([padded(t.float()).view(items, rows, -1).transpose(1, 2)
+                          for t in parts], dim=2)
+    return packed, params.to(torch.float16).contiguous().view(-1)
 
 
 def _aten_pack(w: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,13 @@ class QuantizedWeight:
             w = w + self.offsets.float()[..., None]
         return w.view(n, k).to(dtype)
 
+    def float16_params(self) -> QuantizedWeight:
+        """This weight with its scales and offsets rounded to float16, as the dot kernel
+        (``gpu/cpu/csrc/dot_linear.cpp``) keeps them."""
+        half = (lambda t: None if t is None else t.half().float())
+        return QuantizedWeight(self.bits, self.group_size, self.q, half(self.scales),
+                               half(self.offsets))
+
     def narrow_rows(self, start: int, length: int) -> QuantizedWeight:
         """Output rows ``start:start + length`` (a shard of a fused weight)."""
         cut = (lambda t: None if t is None else t.narrow(0, start, length))

@@ -344,6 +344,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(floats in one register, output rows per item) of quant_linear's layout");
   m.def("quant_linear_supports", &quant_linear_supports,
         "whether quant_linear takes (bits, group_size, in_features)");
+  m.def("dot_linear", &dot_linear, py::call_guard<py::gil_scoped_release>(),
+        "y = x W^T + b, x rounded to int8 per block, W in dot_linear_tile's layout");
+  m.def("dot_linear_tile", &dot_linear_tile,
+        "(output rows per item, inputs per int8 block of x) of dot_linear's layout");
+  m.def("dot_linear_supports", &dot_linear_supports,
+        "whether dot_linear takes (bits, group_size, in_features)");
   m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
         "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
   bind_planned_linear(m);

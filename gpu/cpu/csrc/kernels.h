@@ -58,13 +58,27 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
                            int64_t bits, int64_t group_size, int64_t out_features,
                            c10::optional<torch::Tensor> bias);
 
+// dot_linear.cpp: (output rows per item, inputs of x per int8 block) of dot_linear's layout
+// (0 rows: this build has no such kernel).
+std::vector<int64_t> dot_linear_tile();
+
+// dot_linear.cpp: whether dot_linear takes bits-bit values in groups of group_size.
+bool dot_linear_supports(int64_t bits, int64_t group_size, int64_t in_features);
+
+// dot_linear.cpp: y = x W^T + b with x's rows rounded to int8 per block and multiplied by W's
+// integers (dot_linear_tile's layout, float16 params).
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor params,
+                         int64_t bits, int64_t group_size, int64_t out_features,
+                         c10::optional<torch::Tensor> bias);
+
 // planned_linear.cpp: a linear layer whose plan names, for each row count, which packed copy
 // of its weight runs it. Methods: 0 tidal's panels, 1 MKL's pack, 2 oneDNN's pack, 3 torch's
 // at::linear over the plain weight [out_features, in_features]; for a quantized weight
 // (QuantPack), 4 tidal's quant_linear, 5 torch's fused int8/int4 op, 6 at::linear over the
-// weight dequantized for the call.
+// weight dequantized for the call, 7 tidal's dot_linear.
 enum LinearMethod : int64_t {
-  kPanels = 0, kMkl = 1, kOneDnn = 2, kTorch = 3, kQuantTidal = 4, kQuantAten = 5, kQuantTorch = 6
+  kPanels = 0, kMkl = 1, kOneDnn = 2, kTorch = 3, kQuantTidal = 4, kQuantAten = 5, kQuantTorch = 6,
+  kQuantDot = 7
 };
 
 // A quantized weight in the layouts its plan uses (gpu/quantization/linear.py's QuantPacks).
@@ -73,6 +87,7 @@ struct QuantPack {
   c10::optional<torch::Tensor> packed, params;            // quant_linear's layout
   c10::optional<torch::Tensor> aten_weight, aten_scales;  // torch's int8pack / int4pack forms
   c10::optional<torch::Tensor> q, scales, offsets;        // the weight's own form
+  c10::optional<torch::Tensor> dot_packed, dot_params;    // dot_linear's layout
 
   torch::Tensor operator()(int64_t method, const torch::Tensor& x,
                            const c10::optional<torch::Tensor>& bias) const;

@@ -1,7 +1,8 @@
 // A linear layer that runs each call on the implementation its plan names for that many rows
 // (gpu/cpu/selector.py times them on the host): tidal's panel GEMM (linear.cpp), MKL's packed
 // GEMM (mkl_linear.cpp), oneDNN's packed linear, or torch's own at::linear; for a quantized
-// weight, tidal's quant_linear.cpp, torch's fused int8/int4 ops or the dequantized weight. The
+// weight, tidal's quant_linear.cpp or dot_linear.cpp, torch's fused int8/int4 ops or the
+// dequantized weight. The
 // Python layers (PackedLinear, QuantLinear) and the one-call decode step (decoder.cpp) both
 // call it, so the two follow one plan.
 
@@ -53,7 +54,7 @@ PlannedLinear::PlannedLinear(c10::optional<torch::Tensor> bias, const QuantPack&
       quant(std::make_shared<const QuantPack>(quant)), by_rows(std::move(by_rows)) {
   TORCH_CHECK(!this->by_rows.empty(), "a plan needs at least one choice");
   for (int64_t m : this->by_rows)
-    TORCH_CHECK(m >= kQuantTidal && m <= kQuantTorch, "unknown quantized linear method ", m);
+    TORCH_CHECK(m >= kQuantTidal && m <= kQuantDot, "unknown quantized linear method ", m);
 }
 
 int64_t PlannedLinear::method(int64_t rows) const {
@@ -83,15 +84,18 @@ void bind_planned_linear(py::module& m) {
                        c10::optional<torch::Tensor> aten_weight,
                        c10::optional<torch::Tensor> aten_scales, c10::optional<torch::Tensor> q,
                        c10::optional<torch::Tensor> scales,
-                       c10::optional<torch::Tensor> offsets) {
+                       c10::optional<torch::Tensor> offsets,
+                       c10::optional<torch::Tensor> dot_packed,
+                       c10::optional<torch::Tensor> dot_params) {
              return QuantPack{bits, group_size, out_features, packed, params, aten_weight,
-                              aten_scales, q, scales, offsets};
+                              aten_scales, q, scales, offsets, dot_packed, dot_params};
            }),
            py::arg("bits"), py::arg("group_size"), py::arg("out_features"), py::arg("packed"),
            py::arg("params"), py::arg("aten_weight"), py::arg("aten_scales"), py::arg("q"),
-           py::arg("scales"), py::arg("offsets"))
+           py::arg("scales"), py::arg("offsets"),
+           py::arg("dot_packed") = py::none(), py::arg("dot_params") = py::none())
       .def("__call__", &QuantPack::operator(), py::call_guard<py::gil_scoped_release>(),
-           "y = x W^T + b by method (kQuantTidal, kQuantAten or kQuantTorch)");
+           "y = x W^T + b by method (kQuantTidal, kQuantAten, kQuantTorch or kQuantDot)");
   py::class_<PlannedLinear>(m, "PlannedLinear")
       .def(py::init<int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

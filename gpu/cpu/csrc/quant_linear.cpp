@@ -226,6 +226,9 @@ torch::Tensor dequantize(const QuantPack& w, at::ScalarType dtype) {
 
 torch::Tensor QuantPack::operator()(int64_t method, const torch::Tensor& x,
                                     const c10::optional<torch::Tensor>& bias) const {
+  if (method == kQuantDot)
+    return dot_linear(x, need(dot_packed, "the dot layout"), need(dot_params, "its params"), bits,
+                      group_size, out_features, bias);
   if (method == kQuantTidal)
     return quant_linear(x, need(packed, "tidal's pack"), need(params, "tidal's params"), bits,
                         group_size, out_features, bias);

@@ -1,0 +1,359 @@
+// y = x W^T + b with W quantized (int8, or 4-bit values) and x quantized too: each row of x is
+// rounded to int8 in blocks of kBlock inputs, one float scale per block (as llama.cpp's q8_0
+// activations), so the inner loop multiplies bytes by bytes into int32 sums: AVX-512 VNNI's or
+// AVX-VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd. Where quant_linear.cpp widens every
+// weight to a float, this reads 16 (AVX-512) or 8 (AVX2) products per instruction.
+//
+// What it computes is W times x's rounded rows, exactly up to float rounding: with a_b the
+// scale of x's block b and xq its int8 values,
+//   y[n] = sum_g s[n, g] sum_{b in g} a_b (q[n, .] . xq_b) + o[n, g] sum_{b in g} a_b sum(xq_b).
+// The second term carries the offsets (int4's minimum, and for int8 the 128 the stored bytes
+// are biased by where vpdpbusd needs unsigned weights), so it uses the rounded sums too.
+//
+// Layout (gpu/quantization/linear.py's pack_for_dot, for dot_linear_rows() output rows an item):
+// the lanes of one register are kR output rows, each lane holding four consecutive inputs'
+// bytes, so a broadcast of four bytes of x multiplies all kR rows at once. An int8 item is K / 4
+// registers (byte = q + 128); a 4-bit one K / 8, the low nibbles inputs k..k+3 and the high
+// ones k+4..k+7. params: each item's groups in turn, kR scales then (if any) kR offsets, as
+// float16.
+
+#pragma GCC optimize("fp-contract=fast")
+
+#include "kernels.h"
+#include "parallel.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs of x sharing one scale
+
+}  // namespace
+
+#if defined(__AVX2__)
+
+namespace {
+
+constexpr int64_t kChunk = 64;  // rows of x quantized and kept in cache while every item passes
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t kR = 16;
+constexpr int kXRows = 4;
+typedef __m512i ivec;
+typedef __m512 fvec;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline fvec fzero() { return _mm512_setzero_ps(); }
+inline ivec load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline ivec splat4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline ivec low_nibbles(ivec w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
+inline ivec high_nibbles(ivec w) {
+  return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15));
+}
+inline fvec to_float(ivec v) { return _mm512_cvtepi32_ps(v); }
+inline fvec splat(float v) { return _mm512_set1_ps(v); }
+inline fvec fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec load_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline ivec add_pairs(ivec acc, ivec u, ivec s) {  // no VNNI: u * s in int16 pairs, then int32
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                 _mm512_set1_epi16(1)));
+}
+#if defined(__AVX512VNNI__)
+#define TIDAL_VNNI 1
+inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return add_pairs(acc, u, s); }
+inline ivec dot_signed(ivec acc, ivec q, ivec s) {  // |q| as the unsigned side, q's sign on s
+  const __mmask64 negative = _mm512_movepi8_mask(q);
+  return add_pairs(acc, _mm512_abs_epi8(q), _mm512_mask_sub_epi8(s, negative, izero(), s));
+}
+inline ivec unbias(ivec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
+#endif
+
+#else  // AVX2
+
+constexpr int64_t kR = 8;
+constexpr int kXRows = 2;
+typedef __m256i ivec;
+typedef __m256 fvec;
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline fvec fzero() { return _mm256_setzero_ps(); }
+inline ivec load_bytes(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline ivec splat4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline ivec low_nibbles(ivec w) { return _mm256_and_si256(w, _mm256_set1_epi8(15)); }
+inline ivec high_nibbles(ivec w) {
+  return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15));
+}
+inline fvec to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
+inline fvec splat(float v) { return _mm256_set1_ps(v); }
+inline fvec fma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec load_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline ivec add_pairs(ivec acc, ivec u, ivec s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+}
+#if defined(__AVXVNNI__)
+#define TIDAL_VNNI 1
+inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return add_pairs(acc, u, s); }
+inline ivec dot_signed(ivec acc, ivec q, ivec s) {
+  return add_pairs(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q));
+}
+inline ivec unbias(ivec w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128)); }
+#endif
+
+#endif
+
+// An int8 weight's stored bytes are q + 128. vpdpbusd multiplies them as they are (the 128
+// comes back through the offsets); without VNNI, vpmaddubsw's int16 pairs would overflow on
+// 255 * 127, so the bytes are turned back into q and multiplied by sign.
+#if defined(TIDAL_VNNI)
+constexpr float kInt8Bias = 128.f;
+inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_unsigned(acc, w, s); }
+#else
+constexpr float kInt8Bias = 0.f;
+inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_signed(acc, unbias(w), s); }
+#endif
+
+// Rows of x rounded to int8 per block: q = round(x * (127 / amax)), scale amax / 127, and
+// each group's sum of the rounded values times their scales.
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [rows, K]
+  std::vector<float> scale;  // [rows, K / kBlock]
+  std::vector<float> sums;   // [rows, K / group_size]
+};
+
+// One block of kBlock floats to int8 (rounded to nearest, ties to even); returns the sum of
+// the int8 values.
+inline int32_t round_block(const float* x, float inv, int8_t* q) {
+  int32_t total = 0;
+#if defined(__AVX512F__)
+  for (int i = 0; i < kBlock; i += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(v));
+    total += _mm512_reduce_add_epi32(v);
+  }
+#else
+  for (int i = 0; i < kBlock; i += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+    for (int j = 0; j < 8; ++j) {
+      q[i + j] = static_cast<int8_t>(lanes[j]);
+      total += lanes[j];
+    }
+  }
+#endif
+  return total;
+}
+
+inline float abs_max(const float* x) {
+  float m = 0.f;
+  for (int i = 0; i < kBlock; ++i) m = std::max(m, std::abs(x[i]));
+  return m;
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t K, int64_t group_size,
+                   QuantizedRows& out) {
+  const int64_t blocks = K / kBlock, groups = K / group_size, per_group = group_size / kBlock;
+  out.q.resize(rows * K);
+  out.scale.resize(rows * blocks);
+  out.sums.assign(rows * groups, 0.f);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      const float amax = abs_max(xb);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float scale = amax / 127.f;
+      const int32_t total = round_block(xb, inv, out.q.data() + m * K + b * kBlock);
+      out.scale[m * blocks + b] = scale;
+      out.sums[m * groups + b / per_group] += scale * static_cast<float>(total);
+    }
+  }
+}
+
+struct Item {
+  const uint8_t* w;         // this item's registers of bytes
+  const uint16_t* params;   // this item's groups' scales (and offsets), float16
+  const uint8_t* next;      // the next item's bytes, to prefetch (nullptr: none)
+  float* y;                 // y's row of this tile's first x row, at this item's first column
+  int64_t cols;             // output columns this item writes (<= kR)
+  const float* bias;        // this item's, or nullptr
+};
+
+struct Shape {
+  int64_t K, blocks, groups, group_blocks, ldy;
+  bool offsets;
+};
+
+template <int M, bool kFour>
+void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* xsums,
+          const Item& t) {
+  constexpr int kRegs = kFour ? 4 : 8;  // registers of weight bytes per block of x
+  fvec acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = fzero();
+  const uint8_t* w = t.w;
+  const uint16_t* p = t.params;
+  const char* ahead = reinterpret_cast<const char*>(t.next);
+  for (int64_t g = 0; g < sh.groups; ++g, p += (sh.offsets ? 2 : 1) * kR) {
+    fvec group[M];
+    for (int m = 0; m < M; ++m) group[m] = fzero();
+    for (int64_t b = g * sh.group_blocks; b < (g + 1) * sh.group_blocks; ++b) {
+      ivec sums[M];
+      for (int m = 0; m < M; ++m) sums[m] = izero();
+      const int8_t* xb = xq + b * kBlock;
+#pragma GCC unroll 8
+      for (int j = 0; j < kRegs; ++j, w += sizeof(ivec)) {
+        if (ahead != nullptr) __builtin_prefetch(ahead + (w - t.w), 0, 2);
+        const ivec v = load_bytes(w);
+        if constexpr (kFour) {
+          const ivec lo = low_nibbles(v), hi = high_nibbles(v);
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            sums[m] = dot_unsigned(sums[m], lo, splat4(xb + m * sh.K + 8 * j));
+            sums[m] = dot_unsigned(sums[m], hi, splat4(xb + m * sh.K + 8 * j + 4));
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) sums[m] = dot_int8(sums[m], v, splat4(xb + m * sh.K + 4 * j));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        group[m] = fma(to_float(sums[m]), splat(xscale[m * sh.blocks + b]), group[m]);
+    }
+    const fvec s = load_half(p);
+    fvec o = sh.offsets ? load_half(p + kR) : fzero();
+    if constexpr (!kFour) o = fma(s, splat(-kInt8Bias), o);
+    for (int m = 0; m < M; ++m) {
+      acc[m] = fma(group[m], s, acc[m]);
+      acc[m] = fma(o, splat(xsums[m * sh.groups + g]), acc[m]);
+    }
+  }
+  alignas(64) float out[kR];
+  for (int m = 0; m < M; ++m) {
+    store(out, acc[m]);
+    for (int64_t r = 0; r < t.cols; ++r)
+      t.y[m * sh.ldy + r] = out[r] + (t.bias != nullptr ? t.bias[r] : 0.f);
+  }
+}
+
+template <bool kFour>
+void run_tile(int64_t rows, const Shape& sh, const int8_t* xq, const float* xscale,
+              const float* xsums, const Item& t) {
+  switch (rows) {
+    case 1: return tile<1, kFour>(sh, xq, xscale, xsums, t);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    case 2: return tile<2, kFour>(sh, xq, xscale, xsums, t);
+    case 3: return tile<3, kFour>(sh, xq, xscale, xsums, t);
+    default: return tile<4, kFour>(sh, xq, xscale, xsums, t);
+#else
+    default: return tile<2, kFour>(sh, xq, xscale, xsums, t);
+#endif
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> dot_linear_tile() { return {kR, kBlock}; }
+
+bool dot_linear_supports(int64_t bits, int64_t group_size, int64_t in_features) {
+  return (bits == 4 || bits == 8) && group_size > 0 && group_size % kBlock == 0 &&
+         in_features % group_size == 0;
+}
+
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor params,
+                         int64_t bits, int64_t group_size, int64_t out_features,
+                         c10::optional<torch::Tensor> bias) {
+  if (x.scalar_type() != at::kFloat) {  // bfloat16 rows: widened, multiplied, rounded back
+    c10::optional<torch::Tensor> wide_bias;
+    if (bias.has_value()) wide_bias = bias->to(at::kFloat);
+    return dot_linear(x.to(at::kFloat).contiguous(), packed, params, bits, group_size,
+                      out_features, wide_bias).to(x.scalar_type());
+  }
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(),
+              "dot_linear: x must be a contiguous float32 [rows, in_features]");
+  const int64_t M = x.size(0), K = x.size(1), items = (out_features + kR - 1) / kR;
+  TORCH_CHECK(dot_linear_supports(bits, group_size, K), "dot_linear: no ", bits,
+              "-bit groups of ", group_size, " over ", K, " inputs");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == items * kR * K * bits / 8,
+              "dot_linear: packed weight of the wrong size");
+  const int64_t groups = K / group_size, per_item = groups * kR;
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() &&
+                  (params.numel() == items * per_item || params.numel() == 2 * items * per_item),
+              "dot_linear: params of the wrong size");
+  const bool offsets = params.numel() == 2 * items * per_item;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features &&
+                bias->is_contiguous(), "dot_linear: bias must be float32 [out_features]");
+    b = bias->data_ptr<float>();
+  }
+  torch::Tensor y = torch::empty({M, out_features}, x.options());
+  const Shape sh{K, K / kBlock, groups, group_size / kBlock, out_features, offsets};
+  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* pr = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
+  const float* xs = x.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  QuantizedRows xq;
+  for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+    const int64_t rows = std::min(kChunk, M - m0);
+    quantize_rows(xs + m0 * K, rows, K, group_size, xq);
+    tidal::parallel_items(items, [&](tidal::ItemSource& source) {
+      for (int64_t i = source.next(); i >= 0; i = source.next()) {
+        Item t{w + i * item_bytes, pr + i * item_params,
+               i + 1 < items ? w + (i + 1) * item_bytes : nullptr, nullptr,
+               std::min(kR, out_features - i * kR), b == nullptr ? nullptr : b + i * kR};
+        for (int64_t m = 0; m < rows; m += kXRows) {
+          t.y = ys + (m0 + m) * out_features + i * kR;
+          const int64_t n = std::min<int64_t>(kXRows, rows - m);
+          if (bits == 4)
+            run_tile<true>(n, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
+                           xq.sums.data() + m * groups, t);
+          else
+            run_tile<false>(n, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
+                            xq.sums.data() + m * groups, t);
+        }
+      }
+    });
+  }
+  return y;
+}
+
+#else  // no AVX2: not offered (dot_linear_supports says no)
+
+std::vector<int64_t> dot_linear_tile() { return {0, kBlock}; }
+
+bool dot_linear_supports(int64_t, int64_t, int64_t) { return false; }
+
+torch::Tensor dot_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
+                         c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "dot_linear: this build has no integer dot products (AVX2 or later)");
+}
+
+#endif

@@ -1,0 +1,115 @@
+"""tidal's integer-dot quantized linear (``gpu/cpu/csrc/dot_linear.cpp``): x's rows rounded to
+int8 per block of 32, multiplied by the weight's integers. Against a reference of its own
+definition (the weight, with float16 scales and offsets, times the rounded rows, in float64),
+for every format it takes, at row counts across its tiles and chunks; against the float linear
+within the rounding's bound; and through the C++ dispatch and a quantized model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.selector import Plan
+from gpu.quantization.linear import ACTIVATION_BLOCK as BLOCK
+from gpu.quantization.linear import (
+    DOT,
+    QuantLinear,
+    candidate_methods,
+    pack_for_dot,
+    round_activations,
+)
+from gpu.quantization.weights import QuantizedWeight
+from tests.test_quant_kernels import FORMATS, ROWS, K, _random
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None or KERNELS.dot_linear_tile()[0] == 0,
+                                reason="needs the C++ kernels built for AVX2 or later")
+
+
+def _fits(qw: QuantizedWeight) -> bool:
+    return KERNELS.dot_linear_supports(qw.bits, qw.group_size, qw.shape[1])
+
+
+def reference(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    w = qw.float16_params().dequantize(torch.float64)
+    y = round_activations(x.float()).double() @ w.T
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("out_features", [37, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_is_the_weight_times_the_rounded_rows(fmt, out_features, bias):
+    qw = FORMATS[fmt](out_features)
+    if not _fits(qw):
+        assert qw.group_size % BLOCK, fmt  # only groups smaller than a block are turned down
+        return
+    assert DOT in candidate_methods(qw, torch.device("cpu"))
+    b = torch.randn(out_features) if bias else None
+    layer = QuantLinear(qw, b, plan=Plan.always(DOT))
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        ref = reference(qw, x, b)
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5 * scale,
+                                   msg=f"{fmt}, {rows} rows")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4g32"])
+def test_rounding_the_rows_stays_close_to_the_float_linear(fmt):
+    """The rounding of x costs at most half a step of each block's 255 levels: the result
+    stays within a percent of the float linear's scale."""
+    qw = FORMATS[fmt](96)
+    layer = QuantLinear(qw, plan=Plan.always(DOT))
+    x = torch.randn(9, K)
+    ref = F.linear(x, qw.dequantize())
+    err = (layer(x) - ref).abs().max() / ref.abs().max()
+    assert 0 < err < 0.01
+
+
+def test_zero_rows_and_blocks_give_the_bias():
+    qw = FORMATS["int4g32"](40)
+    bias = torch.randn(40)
+    layer = QuantLinear(qw, bias, plan=Plan.always(DOT))
+    x = torch.zeros(3, K)
+    x[1, BLOCK:2 * BLOCK] = 1.0  # one block of one row not zero
+    y = layer(x)
+    assert torch.equal(y[0], bias) and torch.equal(y[2], bias)
+    torch.testing.assert_close(y[1:2], reference(qw, x[1:2], bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_pack_puts_each_value_where_the_kernel_reads_it():
+    rows, _ = KERNELS.dot_linear_tile()
+    qw = _random(4, 32, 3, offsets=True)
+    packed, params = pack_for_dot(qw, rows)
+    assert packed.numel() == rows * K // 2 and params.dtype == torch.float16
+    first = packed[:4 * rows].view(rows, 4)  # item 0, inputs 0-7 of each row
+    assert torch.equal(first[:3] & 15, qw.q[:, 0:4])
+    assert torch.equal(first[:3] >> 4, qw.q[:, 4:8])
+    assert torch.equal(first[3:], torch.zeros_like(first[3:]))  # the padding rows
+    assert torch.equal(params[:3], qw.scales[:, 0].half())
+    assert torch.equal(params[rows:rows + 3], qw.offsets[:, 0].half())
+    int8 = _random(8, 32, 3, offsets=False)
+    packed, params = pack_for_dot(int8, rows)
+    assert torch.equal(packed[:4 * rows].view(rows, 4)[:3], int8.q[:, :4].view(torch.uint8) ^ 0x80)
+    assert params.numel() == rows * K // 32
+
+
+def test_scales_float16_cannot_hold_turn_the_kernel_down():
+    qw = _random(4, 32, 8, offsets=True)
+    assert DOT in candidate_methods(qw, torch.device("cpu"))
+    qw.scales[0, 0] = 1e-6  # below float16's normal range
+    assert DOT not in candidate_methods(qw, torch.device("cpu"))
+
+
+def test_bfloat16_activations_are_widened_for_the_kernel():
+    qw = FORMATS["int4g32"](96)
+    assert DOT in candidate_methods(qw, torch.device("cpu"), torch.bfloat16)
+    layer = QuantLinear(qw, None, torch.bfloat16, Plan.always(DOT))
+    x = torch.randn(5, K).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference(qw, x.float(), None).to(torch.bfloat16),
+                               rtol=1e-2, atol=1e-2)
