@@ -72,11 +72,14 @@ inline ivec add_pairs(ivec acc, ivec u, ivec s) {  // no VNNI: u * s in int16 pa
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
                                                  _mm512_set1_epi16(1)));
 }
+inline ivec add_two_pairs(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
+  const ivec pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
 #if defined(__AVX512VNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
-inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return add_pairs(acc, u, s); }
 inline ivec dot_signed(ivec acc, ivec q, ivec s) {  // |q| as the unsigned side, q's sign on s
   const __mmask64 negative = _mm512_movepi8_mask(q);
   return add_pairs(acc, _mm512_abs_epi8(q), _mm512_mask_sub_epi8(s, negative, izero(), s));
@@ -115,11 +118,14 @@ inline ivec add_pairs(ivec acc, ivec u, ivec s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
                                                  _mm256_set1_epi16(1)));
 }
+inline ivec add_two_pairs(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
+  const ivec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #if defined(__AVXVNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
-inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return add_pairs(acc, u, s); }
 inline ivec dot_signed(ivec acc, ivec q, ivec s) {
   return add_pairs(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q));
 }
@@ -131,12 +137,20 @@ inline ivec unbias(ivec w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128));
 // An int8 weight's stored bytes are q + 128. vpdpbusd multiplies them as they are (the 128
 // comes back through the offsets); without VNNI, vpmaddubsw's int16 pairs would overflow on
 // 255 * 127, so the bytes are turned back into q and multiplied by sign.
+// A 4-bit register's two halves (u0, u1 < 16) against two broadcasts of x: without VNNI, their
+// int16 pair sums (at most 2 * 15 * 127 each) are added before they are widened, once.
 #if defined(TIDAL_VNNI)
 constexpr float kInt8Bias = 128.f;
 inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_unsigned(acc, w, s); }
+inline ivec dot_nibbles(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {
+  return dot_unsigned(dot_unsigned(acc, u0, s0), u1, s1);
+}
 #else
 constexpr float kInt8Bias = 0.f;
 inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_signed(acc, unbias(w), s); }
+inline ivec dot_nibbles(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {
+  return add_two_pairs(acc, u0, s0, u1, s1);
+}
 #endif
 
 // Rows of x rounded to int8 per block: q = round(x * (127 / amax)), scale amax / 127, and
@@ -233,10 +247,9 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
         if constexpr (kFour) {
           const ivec lo = low_nibbles(v), hi = high_nibbles(v);
 #pragma GCC unroll 4
-          for (int m = 0; m < M; ++m) {
-            sums[m] = dot_unsigned(sums[m], lo, splat4(xb + m * sh.K + 8 * j));
-            sums[m] = dot_unsigned(sums[m], hi, splat4(xb + m * sh.K + 8 * j + 4));
-          }
+          for (int m = 0; m < M; ++m)
+            sums[m] = dot_nibbles(sums[m], lo, splat4(xb + m * sh.K + 8 * j), hi,
+                                  splat4(xb + m * sh.K + 8 * j + 4));
         } else {
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) sums[m] = dot_int8(sums[m], v, splat4(xb + m * sh.K + 4 * j));
