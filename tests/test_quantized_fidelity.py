@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core import DEFAULT_MODEL, SamplingParams
 from gpu.model_config import ModelConfig
-from gpu.quantization.weights import quantize
+from gpu.quantization.weights import quantize, quantize_int8
 from gpu.random_model import build_model_dir
 from gpu.training.heldout import nats_per_char
 from tests.device import TEST_DEVICE
@@ -32,10 +32,15 @@ HELD_OUT_RISE = {"int8": 0.01, "int4g32": 0.05}
 
 def hf_twin(path: str, fmt: str):
     """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
-    dequantized: the reference tidal's quantized engine is held to."""
+    dequantized, and a tied embedding and head as int8 per row: the reference tidal's quantized
+    engine is held to."""
     method, group = FORMATS[fmt]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
     replace_hf_linears(hf, lambda name, w: quantize(w.cpu(), method, group).dequantize())
+    if hf.config.tie_word_embeddings:
+        embedding = hf.get_input_embeddings().weight
+        with torch.no_grad():
+            embedding.copy_(quantize_int8(embedding.cpu()).dequantize().to(embedding.device))
     hf.generation_config.eos_token_id = None
     hf.reference_cache = {}
     return hf
@@ -46,7 +51,8 @@ _BUILT: dict[str, str] = {}
 
 def model_dir(arch: str, tmp_path_factory, **overrides) -> str:
     if arch not in _BUILT:
-        _BUILT[arch] = str(build_model_dir(tmp_path_factory.mktemp(arch), arch, **overrides))
+        _BUILT[arch] = str(build_model_dir(tmp_path_factory.mktemp(arch), arch.split("-")[0],
+                                           **overrides))
     return _BUILT[arch]
 
 
@@ -54,6 +60,14 @@ def model_dir(arch: str, tmp_path_factory, **overrides) -> str:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_quantized_engine_equals_hf_on_the_dequantized_weights(arch, fmt, tmp_path_factory):
     path = model_dir(arch, tmp_path_factory)
+    method, group = FORMATS[fmt]
+    llm = fidelity_llm(path, quantization=method, quantization_group_size=group)
+    check_against_hf(hf_twin(path, fmt), llm, reference_prompts(0), tol=2e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4g32"])
+def test_tied_quantized_head_engine_equals_hf_on_the_dequantized_weights(fmt, tmp_path_factory):
+    path = model_dir("qwen2-tied", tmp_path_factory, tie_word_embeddings=True)
     method, group = FORMATS[fmt]
     llm = fidelity_llm(path, quantization=method, quantization_group_size=group)
     check_against_hf(hf_twin(path, fmt), llm, reference_prompts(0), tol=2e-4)
