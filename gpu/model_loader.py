@@ -24,6 +24,7 @@ from gpu.quantization.apply import (
     log_quantized,
     quantize_on_read,
 )
+from gpu.quantization.head import install_tied_head, quantize_head
 from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 from gpu.weight_shards import shard_weights
 
@@ -69,7 +70,9 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
     float model never exists whole in memory; nor does it where the checkpoint's linears are
     all quantized already (a GGUF's). Under tensor parallelism each weight is cut to this
-    rank's part as it is read (after quantization, so that the parts are the whole's)."""
+    rank's part as it is read (after quantization, so that the parts are the whole's).
+    With ``quantization``, a tied embedding and output head become one int8 weight with one
+    scale per row (``gpu/quantization/head.py``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
@@ -82,7 +85,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
-    _load_weights(model, model.local_config, weights, dtype, str(model_dir))
+    _load_weights(model, model.local_config, weights, dtype, str(model_dir),
+                  quantize_tied_head=quantization is not None)
     if quantization is not None:
         log_quantized(model, quantization, group_size)
     return model.eval()
@@ -96,7 +100,7 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
     plans = plan_model(model, max_rows, max_seqs, cache, timed)
     log_plans(plans)
     model.cpu_plans = plans  # for the start-up banner (ModelRunner.kernel_summary)
-    model.decode_stack = build_decode_stack(model)
+    model.decode_stack = build_decode_stack(model, max(max_rows, max_seqs))
     model.stack_rows = stack_rows(model, max_seqs)
     if model.decode_stack is not None and timed_here and cache is not None:
         model.stack_rows = plan_decode_stack(model, max_seqs, cache)
@@ -105,15 +109,20 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
-                  dtype: torch.dtype, source: str) -> None:
+                  dtype: torch.dtype, source: str, quantize_tied_head: bool = False) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
+    tied_head = quantize_tied_head and cfg.tie_word_embeddings
     for name, value in weights:
         target, shard = _map_name(name)
         if target is None or target not in params:
             if not name.endswith("rotary_emb.inv_freq"):
                 logger.debug("skipping weight %s", name)
+            continue
+        if tied_head and target == "embed_tokens.weight":
+            install_tied_head(model, quantize_head(value), dtype)
+            loaded.add(target)
             continue
         if isinstance(value, QuantizedWeight):
             if _takes_quantized(target):

@@ -15,7 +15,7 @@ from core import DEFAULT_MODEL, SamplingParams
 from gpu.model_config import ModelConfig
 from gpu.quantization import linear
 from gpu.quantization.linear import DOT, QuantLinear, round_activations
-from gpu.quantization.weights import quantize
+from gpu.quantization.weights import quantize, quantize_int8
 from gpu.random_model import build_model_dir
 from gpu.training.heldout import nats_per_char
 from tests.device import TEST_DEVICE
@@ -41,8 +41,9 @@ HELD_OUT_RISE = {"int8": 0.01, "int4g32": 0.05}
 
 def hf_twin(path: str, fmt: str, rounded: bool = False):
     """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
-    dequantized: the reference tidal's quantized engine is held to. ``rounded``: as the dot
-    kernel multiplies, with float16 scales and offsets and inputs rounded to int8 per block."""
+    dequantized, and a tied embedding and head as int8 per row: the reference tidal's quantized
+    engine is held to. ``rounded``: as the dot kernel multiplies, with float16 scales and
+    offsets and inputs rounded to int8 per block."""
     method, group = FORMATS[fmt]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
     if rounded:
@@ -53,6 +54,10 @@ def hf_twin(path: str, fmt: str, rounded: bool = False):
                 module.register_forward_pre_hook(lambda _, args: (round_activations(args[0]),))
     else:
         replace_hf_linears(hf, lambda name, w: quantize(w.cpu(), method, group).dequantize())
+    if hf.config.tie_word_embeddings:
+        embedding = hf.get_input_embeddings().weight
+        with torch.no_grad():
+            embedding.copy_(quantize_int8(embedding.cpu()).dequantize().to(embedding.device))
     hf.generation_config.eos_token_id = None
     hf.reference_cache = {}
     return hf
@@ -63,7 +68,8 @@ _BUILT: dict[str, str] = {}
 
 def model_dir(arch: str, tmp_path_factory, **overrides) -> str:
     if arch not in _BUILT:
-        _BUILT[arch] = str(build_model_dir(tmp_path_factory.mktemp(arch), arch, **overrides))
+        _BUILT[arch] = str(build_model_dir(tmp_path_factory.mktemp(arch), arch.split("-")[0],
+                                           **overrides))
     return _BUILT[arch]
 
 
@@ -116,6 +122,14 @@ def test_engine_on_the_dot_kernel_follows_hf_on_rounded_activations(fmt, tmp_pat
     assert len(diffs) >= len(prompts) * NEW_TOKENS // 2
     assert diffs.median() < 1e-4
     assert diffs.max() < TOP_LOGPROB_NATS["llama"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4g32"])
+def test_tied_quantized_head_engine_equals_hf_on_the_dequantized_weights(fmt, tmp_path_factory):
+    path = model_dir("qwen2-tied", tmp_path_factory, tie_word_embeddings=True)
+    method, group = FORMATS[fmt]
+    llm = fidelity_llm(path, quantization=method, quantization_group_size=group)
+    check_against_hf(hf_twin(path, fmt), llm, reference_prompts(0), tol=2e-4)
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ same kernels in the same order from C++ with the GIL released, its linears the m
 has one query row and whose row count the ops' plans give to tidal's kernels; prefill chunks
 and other dtypes keep the Python path. An int8 KV cache (``--kv-cache-dtype int8``) takes it
 too: each layer's four cache tensors (values and scales) go to the same write and attention
-kernels as from Python.
+kernels as from Python. A quantized tied head's int8 embedding (``gpu/quantization/head.py``)
+gives the step a small table that each step's rows are dequantized into before the call.
 """
 
 from __future__ import annotations
@@ -20,22 +21,27 @@ from gpu.attention import AttentionMetadata
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.cpu.kernels import load_cpu_kernels
 from gpu.cpu.packed_linear import PackedLinear
+from gpu.quantization.head import QuantEmbedding
 from gpu.quantization.linear import QuantLinear
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def build_decode_stack(model: torch.nn.Module) -> Any | None:
+def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
     dtype or device, another attention backend, q/k norms, or linears without a C++
     ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built), or
-    tensor parallelism (its all-reduces run between the layers' ops)."""
+    tensor parallelism (its all-reduces run between the layers' ops). ``max_rows``: the
+    most rows a step may have, which an int8 embedding's staged table holds."""
     kernels = load_cpu_kernels()
     if model.tp.size > 1:
         return None
     cfg = model.config
-    embedding = model.embed_tokens.weight
-    if (kernels is None or embedding.device.type != "cpu" or embedding.dtype not in STACK_DTYPES
+    table = model.embed_tokens
+    quantized = isinstance(table, QuantEmbedding)
+    embedding = table.weight_format.q if quantized else table.weight
+    dtype = table.dtype if quantized else embedding.dtype
+    if (kernels is None or embedding.device.type != "cpu" or dtype not in STACK_DTYPES
             or cfg.qk_norm or not kernels.decode_attention_supports(cfg.head_dim)):
         return None
     attns = [layer.self_attn for layer in model.layers]
@@ -45,6 +51,8 @@ def build_decode_stack(model: torch.nn.Module) -> Any | None:
             or not all(isinstance(m, (PackedLinear, QuantLinear)) and m.kernel is not None
                        for m in linears)):
         return None
+    if quantized:
+        embedding = table.stage_table(max_rows)
     rotary = attns[0].rotary
     stack = kernels.DecodeStack(embedding, model.norm.weight, rotary.cos, rotary.sin,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,

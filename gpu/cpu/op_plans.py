@@ -25,6 +25,7 @@ from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cpu.packed_linear import pack_linear_layers
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.layers import RMSNorm, silu_and_mul
+from gpu.quantization.head import plan_tied_head
 from gpu.quantization.linear import plan_quant_linears
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,10 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
     linears = pack_linear_layers(model, max_rows, cache if auto else None)
     plans: dict[str, Plan] = {f"linear {m.out_features}x{m.in_features}": m.plan
                               for m in linears}
+    plans.update(plan_tied_head(model, max_rows, cache if auto else None))
     plans.update(plan_quant_linears(model, max_rows, cache if auto else None))
     kernels = load_cpu_kernels()
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype
     if auto and kernels is not None and cache is not None:
         with denormals_flushed():
             plans.update(_plan_ops(model, dtype, max_rows, max_seqs, cache))
@@ -131,7 +133,7 @@ def plan_decode_stack(model: nn.Module, max_seqs: int, cache: PlanCache) -> list
     faster step off."""
     linears = ",".join(sorted({type(m).__name__ for m in model.layers[0].modules()
                                if hasattr(m, "kernel")}))
-    cfg, dtype = model.local_config, model.embed_tokens.weight.dtype
+    cfg, dtype = model.local_config, model.norm.weight.dtype
     key = (f"decode_stack|{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}|"
            f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}|{linears}|"
            f"{str(dtype).removeprefix('torch.')}|ctx{min(DECODE_CONTEXT, model.max_positions)}")
@@ -141,7 +143,7 @@ def plan_decode_stack(model: nn.Module, max_seqs: int, cache: PlanCache) -> list
 
 
 def _stack_candidates(model: nn.Module) -> Candidates:
-    cfg, dtype = model.local_config, model.embed_tokens.weight.dtype
+    cfg, dtype = model.local_config, model.norm.weight.dtype
 
     context = min(DECODE_CONTEXT, model.max_positions)  # the rotary table's length
 

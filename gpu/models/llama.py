@@ -20,6 +20,7 @@ from gpu.cpu.selector import Plan
 from gpu.distributed import TensorParallel, tensor_parallel
 from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from gpu.model_config import ModelConfig
+from gpu.quantization.head import QuantEmbedding
 from gpu.weight_shards import local_config
 
 # One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
@@ -133,16 +134,26 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
+        ids = None
         if self.decode_stack is not None and runs_on_stack(input_ids, meta, self.stack_rows):
+            ids = self._stack_ids(input_ids)
+        if ids is not None:
             requests, rows = meta.decode_rows_cpu
             caches = [cache for pair in kv_caches for cache in pair]
-            return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,
+            return self.decode_stack.forward(ids, positions, caches, meta.slot_mapping,
                                              meta.block_table, meta.seq_lens, requests, rows)
         x = self.embed(input_ids)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, delta, kv_cache, meta)
         return self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
+
+    def _stack_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The ids the one-call decode step looks up in its table: an int8 embedding's rows
+        are dequantized into its staged table first (``None`` where they do not fit)."""
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.stage(input_ids)
+        return input_ids
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings; under tensor parallelism each rank looks up the ids in its

@@ -2,9 +2,11 @@
 
 Only the decoder layers' linears are quantized (attention's qkv and output projections, the
 MLP's gate/up and down projections), which hold nearly all of a model's weight bytes at any
-size that needs quantizing. The token embedding and the output head keep the model's dtype: the
-embedding is a row lookup, not a matmul, so quantizing it saves memory and no time, and the
-output head's error lands directly on every logprob; a tied head shares the embedding's weight.
+size that needs quantizing. An untied token embedding and output head keep the model's dtype:
+the embedding is a row lookup, not a matmul, so quantizing it saves memory and no time, and the
+output head's error lands directly on every logprob. A tied one becomes one int8 weight with one
+scale per row, which both read (``head.py``): in the model's dtype it would be kept twice, as the
+embedding's rows and in the layout the head's matmul runs from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from gpu.quantization.head import QuantHead
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
@@ -67,6 +70,12 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     size = sum(m.weight_format.nbytes for m in layers if m.weight_format is not None)
     how = f"groups of {group_size}" if method == "int4" else "per output channel"
-    logger.info("quantized %d decoder linears to %s (%s): %.1f MB; the embedding and output "
-                "head stay %s", len(layers), method, how, size / 1e6,
-                str(model.embed_tokens.weight.dtype).removeprefix("torch."))
+    head = model.lm_head
+    if isinstance(head, QuantHead):
+        rest = (f"the tied embedding and output head are one int8 weight (per row): "
+                f"{head.weight_format.nbytes / 1e6:.1f} MB")
+    else:
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        rest = f"the embedding and output head stay {dtype}"
+    logger.info("quantized %d decoder linears to %s (%s): %.1f MB; %s", len(layers), method,
+                how, size / 1e6, rest)

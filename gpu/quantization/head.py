@@ -1,0 +1,161 @@
+"""A tied output head under ``--quantization``: one int8 weight (one scale per vocabulary row)
+that is both the token embedding and the output head.
+
+A tied head in the model's dtype costs its bytes twice on the CPU: once as the embedding's
+plain rows, once in the packed layout its matmul runs fastest from (``gpu/cpu/packed_linear.py``),
+which is a Qwen2.5-3B model's 622 MB of bfloat16 twice. Quantized to int8 per row, the head keeps
+one plain copy, a quarter of those bytes: the embedding dequantizes the rows it looks up
+(``QuantEmbedding``), and the head multiplies by the same tensor (``QuantHead``).
+
+On the CPU the head's plan is timed as a quantized linear's is (``gpu/quantization/linear.py``).
+Where the model keeps one layout per weight (its quantized weights pass
+``TWO_LAYOUTS_MAX_BYTES``), the head's candidates are the methods that multiply from the plain
+rows the embedding reads (torch's int8 op, or torch's path), so no second copy is made; with
+float32 activations, where torch's int8 op is an order of magnitude slower than tidal's kernel,
+every method stays a candidate and the kernel's layout is kept beside the plain rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu.cpu import selector
+from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
+from gpu.cpu.selector import TORCH, Plan, PlanCache
+from gpu.quantization.linear import (
+    ATEN,
+    QuantLinear,
+    QuantPacks,
+    candidate_methods,
+    quant_candidates,
+)
+from gpu.quantization.weights import QuantizedWeight, quantize_int8
+
+# Methods that multiply from the weight's plain int8 rows, which the embedding reads too
+PLAIN_ROW_METHODS = (ATEN, TORCH)
+QUANTIZE_ROWS = 8192  # rows quantized at a time, to bound the float temporaries of the load
+
+
+def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
+    """``weight`` (``[vocab, hidden]``) as symmetric int8 with one scale per row, quantized
+    ``QUANTIZE_ROWS`` rows at a time (rows are independent, so the result is the same)."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.bits == 8 and weight.per_channel and weight.offsets is None:
+            return weight
+        weight = weight.dequantize()
+    parts = [quantize_int8(weight[i:i + QUANTIZE_ROWS])
+             for i in range(0, weight.shape[0], QUANTIZE_ROWS)]
+    if len(parts) == 1:
+        return parts[0]
+    return QuantizedWeight(8, weight.shape[1], torch.cat([p.q for p in parts]),
+                           torch.cat([p.scales for p in parts]))
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over an int8 weight with one scale per row: the rows looked up are
+    dequantized to ``dtype`` (bitwise ``weight.dequantize(dtype)[ids]``)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_format = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.table: torch.Tensor | None = None  # the one-call decode step's (stage_table)
+        self.table_ids: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_format
+        rows = w.q.index_select(0, input_ids).float() * w.scales.index_select(0, input_ids)
+        return rows.to(self.dtype)
+
+    def stage_table(self, rows: int) -> torch.Tensor:
+        """A ``[rows, hidden]`` table for the one-call decode step (``csrc/decoder.cpp``),
+        which looks its ids up in a float table: ``stage`` fills it with a step's rows."""
+        device = self.weight_format.q.device
+        self.table = torch.zeros(rows, self.embedding_dim, dtype=self.dtype, device=device)
+        self.table_ids = torch.arange(rows, device=device)
+        return self.table
+
+    def stage(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's rows written to the staged table, and the ids that find them there
+        (``0 .. n-1``); ``None`` where they do not fit."""
+        n = input_ids.shape[0]
+        if self.table is None or n > self.table.shape[0]:
+            return None
+        self.table[:n] = self(input_ids)
+        return self.table_ids[:n]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8"
+
+
+class QuantHead(nn.Module):
+    """``logits = x W^T`` over the int8 weight a ``QuantEmbedding`` reads, by the method its
+    plan names for the row count. Unlike a ``QuantLinear`` it never drops the plain weight:
+    the embedding reads it."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_format = weight
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.plan = Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
+        self.packs: QuantPacks | None = None
+        self.kernel = None  # the C++ PlannedLinear over the packs, where the kernels are built
+
+    def replan(self, plan: Plan) -> None:
+        """Pack for ``plan``, keeping the plain weight whatever it uses."""
+        self.plan = plan
+        self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype)
+        self.kernel = self.packs.kernel(None, plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packs is None:
+            self.replan(self.plan)
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        if self.kernel is not None:
+            y = self.kernel(rows)
+        else:
+            y = self.packs.run(self.plan.pick(rows.shape[0]), rows, None)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
+                f"tied, {self.plan.describe()}")
+
+
+def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    """Make ``weight`` (int8, one scale per row) the model's embedding and output head."""
+    model.embed_tokens = QuantEmbedding(weight, dtype)
+    model.lm_head = QuantHead(weight, dtype)
+
+
+def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
+                   two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
+    """Time and set the plan of the model's ``QuantHead``, if it has one (``auto`` with a
+    ``cache``; else the first candidate). Call before the decoder linears are planned: whether
+    the model keeps one layout per weight counts their bytes. Returns the plan by name."""
+    head = model.lm_head
+    if not isinstance(head, QuantHead):
+        return {}
+    w = head.weight_format
+    linears = sum(m.weight_format.nbytes for m in model.modules()
+                  if isinstance(m, QuantLinear) and m.weight_format is not None)
+    one_layout = linears + w.nbytes > two_layouts_max_bytes
+    methods = candidate_methods(w, w.q.device, head.dtype)
+    if one_layout and head.dtype != torch.float32:
+        methods = [m for m in methods if m in PLAIN_ROW_METHODS]
+    name = "qlinear {}x{} int8|{}|{}".format(head.out_features, head.in_features,
+                                             str(head.dtype).removeprefix("torch."),
+                                             ",".join(methods))
+    timed = selector.mode() == "auto" and cache is not None and len(methods) > 1
+    plan = (cache.get_or_choose(name, selector.row_buckets(max_rows),
+                                quant_candidates(w, head.dtype, methods))
+            if timed else Plan.always(methods[0]))
+    if one_layout:
+        plan = Plan.always(plan.single())
+    head.replan(plan)
+    return {name + " (tied head)": plan}

@@ -1,0 +1,173 @@
+"""A tied output head under ``--quantization`` (``gpu/quantization/head.py``): one int8 weight
+that the embedding and the head both read, kept once where the model keeps one layout per
+weight, bitwise the same through the one-call decode step as through the Python model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.attention import get_attention_backend
+from gpu.attention.paged_layout import paged_layout, random_caches
+from gpu.cpu.kernels import load_cpu_kernels
+from gpu.cpu.selector import TORCH, PlanCache
+from gpu.model_config import ModelConfig
+from gpu.model_loader import load_model, read_model
+from gpu.quantization.head import (
+    PLAIN_ROW_METHODS,
+    QuantEmbedding,
+    QuantHead,
+    plan_tied_head,
+    quantize_head,
+)
+from gpu.quantization.linear import candidate_methods
+from gpu.quantization.weights import quantize_int8
+from gpu.random_model import build_model_dir
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("tied"), "qwen2", hidden_size=128,
+                           tie_word_embeddings=True)
+
+
+def _read(path, dtype=torch.bfloat16, quantization="int4"):
+    return read_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"), 512,
+                      dtype, "cpu", quantization)
+
+
+def _byte_storages(model: torch.nn.Module) -> dict[int, int]:
+    """Every tensor of bytes (int8, uint8: quantized values) the model's modules hold, packs
+    included: storage address -> bytes."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and not t.is_mkldnn:
+            if t.element_size() == 1:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        elif isinstance(t, (tuple, list)):
+            for x in t:
+                add(x)
+        elif t is not None and hasattr(t, "q") and hasattr(t, "scales"):  # QuantizedWeight
+            add((t.q, t.scales, t.offsets))
+
+    for module in model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            add(t)
+        add(getattr(module, "weight_format", None))
+        packs = getattr(module, "packs", None)
+        if packs is not None:
+            for name in ("tidal", "aten", "dot", "format", "panels", "mkl", "onednn", "plain"):
+                add(getattr(packs, name, None))
+    return seen
+
+
+def test_quantize_head_is_int8_per_row_in_chunks(monkeypatch):
+    w = torch.randn(300, 64)
+    monkeypatch.setattr("gpu.quantization.head.QUANTIZE_ROWS", 128)
+    got, ref = quantize_head(w), quantize_int8(w)
+    assert torch.equal(got.q, ref.q) and torch.equal(got.scales, ref.scales)
+    assert quantize_head(ref) is ref  # already int8 per row: kept as it is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_the_dequantized_rows(dtype):
+    w = quantize_int8(torch.randn(50, 32))
+    embedding = QuantEmbedding(w, dtype)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(embedding(ids), w.dequantize(dtype)[ids])
+    assert embedding.stage(ids) is None  # no table staged
+    table = embedding.stage_table(4)
+    assert torch.equal(table[embedding.stage(ids)], w.dequantize(dtype)[ids])
+    assert embedding.stage(torch.arange(5)) is None  # more rows than the table holds
+
+
+def test_a_tied_quantized_model_reads_one_int8_weight(tied_dir):
+    model = _read(tied_dir)
+    head, embedding = model.lm_head, model.embed_tokens
+    assert isinstance(head, QuantHead) and isinstance(embedding, QuantEmbedding)
+    assert head.weight_format is embedding.weight_format
+    assert head.weight_format.q.dtype == torch.int8 and head.weight_format.per_channel
+    names = {name for name, _ in model.named_parameters()}
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), head.weight_format.dequantize()).to(torch.bfloat16)
+    torch.testing.assert_close(head(x), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_untied_and_float_models_keep_their_heads(tied_dir, tmp_path):
+    untied = build_model_dir(tmp_path, "qwen2", hidden_size=128)
+    assert isinstance(_read(untied).lm_head, torch.nn.Linear)
+    assert isinstance(_read(tied_dir, quantization=None).lm_head, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_layout_keeps_one_copy_of_the_head_weight(tied_dir, tmp_path, monkeypatch, dtype):
+    """Over the byte bound, a bfloat16 head runs from the plain rows the embedding reads: the
+    model holds the head's int8 values once. float32 activations keep the kernel's layout
+    beside them (torch's int8 op has no fast float32 path), at most twice."""
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
+    model = _read(tied_dir, dtype)
+    head = model.lm_head
+    cache = PlanCache(tmp_path, key={"host": "test"})
+    plans = plan_tied_head(model, 8, cache, two_layouts_max_bytes=0)
+    assert len(plans) == 1 and len(head.plan.used()) == 1
+    vocab, hidden = head.weight_format.shape
+    copies = sum(1 for nbytes in _byte_storages(model).values() if nbytes >= vocab * hidden)
+    if dtype == torch.bfloat16:
+        assert head.plan.used() <= set(PLAIN_ROW_METHODS)
+        assert copies == 1
+    else:
+        assert copies <= 2
+    x = torch.randn(5, hidden, dtype=dtype)
+    ref = F.linear(x.float(), head.weight_format.dequantize()).to(dtype)
+    torch.testing.assert_close(head(x), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_small_model_times_every_method_for_its_head(tied_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
+    model = _read(tied_dir)
+    fast = {TORCH: 1.0}
+    cache = PlanCache(tmp_path, key={"host": "test"},
+                      timer=lambda name, fn, calls: (fn(), fast.get(name, 2.0))[1])
+    (name,) = plan_tied_head(model, 8, cache)
+    w = model.lm_head.weight_format
+    methods = candidate_methods(w, w.q.device, torch.bfloat16)
+    assert name.endswith("|" + ",".join(methods) + " (tied head)")  # every one was a candidate
+    assert model.lm_head.plan.used() == {TORCH}
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_through_the_staged_table_is_bitwise_the_python_model(tied_dir, dtype):
+    path = tied_dir
+    model = load_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"),
+                       512, dtype, "cpu", quantization="int4")
+    stack = model.decode_stack
+    assert stack is not None and isinstance(model.embed_tokens, QuantEmbedding)
+    cfg = model.config
+    contexts = [0, 15, 16, 97]
+    meta = paged_layout(contexts, [1] * len(contexts), 16, seed=0)
+    caches = [random_caches(meta, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
+              for _ in range(cfg.num_layers)]
+    ids = torch.randint(0, cfg.vocab_size, (len(contexts),))
+    positions = torch.tensor(contexts)
+    model.stack_rows = [True] * 8
+    calls = []
+    out = {}
+    for name, on in (("python", None), ("stack", Counted(stack, calls))):
+        model.decode_stack = on
+        with torch.inference_mode():
+            out[name] = model(ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
+    assert len(calls) == 1
+    assert torch.equal(out["stack"], out["python"])
+
+
+class Counted:
+    def __init__(self, stack, calls: list) -> None:
+        self.stack, self.calls = stack, calls
+
+    def forward(self, *args):
+        self.calls.append(args[0])
+        return self.stack.forward(*args)
