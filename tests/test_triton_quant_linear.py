@@ -26,7 +26,14 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
+from gpu.cpu.selector import TORCH, Plan  # noqa: E402
 from gpu.quantization import triton_linear as tq  # noqa: E402
+from gpu.quantization.linear import (  # noqa: E402
+    METHODS,
+    TRITON,
+    QuantLinear,
+    candidate_methods,
+)
 from gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +173,29 @@ def test_block_and_split_choice():
     assert tq.split_k_for(1, 151936, 4096, tq.DECODE_BLOCKS, dev) == 1
     assert tq.split_k_for(1, 896, 64, tq.DECODE_BLOCKS, dev) == 1  # one K tile
     assert tq.split_k_for(64, 896, 4864, tq.MEDIUM_BLOCKS, dev) == 1
+
+
+def test_quant_linear_offers_and_runs_the_triton_method(monkeypatch):
+    """On CUDA the Triton method comes first, before torch's; a ``QuantLinear`` planned on it
+    keeps only its layout and no C++ kernel (here on the interpreter)."""
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "off")  # no C++ kernels built for this
+    w = _weight("int4g32", 9)
+    cuda = torch.device("cuda")
+    assert candidate_methods(w, cuda, torch.bfloat16) == [TRITON, TORCH]
+    assert TRITON not in candidate_methods(w, torch.device("cpu"))
+    odd = QuantizedWeight(4, 3, torch.zeros(2, 6, dtype=torch.uint8), torch.ones(2, 2))
+    assert candidate_methods(odd, cuda, torch.bfloat16) == [TORCH]
+    assert METHODS.index(TRITON) < METHODS.index(TORCH)
+    bias = torch.randn(N)
+    on_device = QuantizedWeight(4, 32, w.q.to(DEVICE), w.scales.to(DEVICE),
+                                w.offsets.to(DEVICE))
+    layer = QuantLinear(on_device, bias.to(DEVICE), torch.float32, Plan.always(TRITON))
+    assert layer.kernel is None and layer.weight_format is None
+    assert layer.packs.triton is not None and layer.packs.triton.q.shape == (N, K // 2)
+    x = torch.randn(2, 3, K)
+    y = layer(x.to(DEVICE)).cpu()
+    assert y.shape == (2, 3, N)
+    _check(y.view(6, N), x.view(6, K), w, bias)
 
 
 def _to(p: tq.TritonQuantWeight) -> tq.TritonQuantWeight:
