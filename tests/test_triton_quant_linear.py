@@ -192,6 +192,9 @@ def test_quant_linear_offers_and_runs_the_triton_method(monkeypatch):
     layer = QuantLinear(on_device, bias.to(DEVICE), torch.float32, Plan.always(TRITON))
     assert layer.kernel is None and layer.weight_format is None
     assert layer.packs.triton is not None and layer.packs.triton.q.shape == (N, K // 2)
+    from bench.model_shapes import weight_bytes  # the roofline's bytes: the packed layout's
+
+    assert weight_bytes(torch.nn.Sequential(layer)) == w.nbytes == N * K // 2 + 2 * N * K // 8
     x = torch.randn(2, 3, K)
     y = layer(x.to(DEVICE)).cpu()
     assert y.shape == (2, 3, N)
