@@ -12,6 +12,11 @@ of Qwen2.5-0.5B and Llama-3.2-1B (bf16), at each batch size:
 
     python -m bench.decode_roofline                       # GPU: both shapes, batch 1/32/64/128
     python -m bench.decode_roofline --device cpu --tiny   # smoke run of the script on the CPU
+    python -m bench.decode_roofline --quantization int4   # decoder linears in int4 (g32)
+
+With ``--quantization`` the weight bytes are the quantized linears' as their kernel reads them
+(4-bit values two to a byte, float32 scales and offsets) plus the float output head and norms,
+so the roofline is the quantized step's.
 
 Writes ``bench/results/decode_roofline-<device>.json``.
 """
@@ -47,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, help="prompt tokens per request (1024; tiny: 64)")
     ap.add_argument("--steps", type=int, help="decode steps timed (32; tiny: 8)")
     ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
+    ap.add_argument("--quantization", choices=["int8", "int4"],
+                    help="quantize the decoder linears at load")
+    ap.add_argument("--quantization-group-size", type=int, default=32)
     add_decode_args(ap)
     args = ap.parse_args(argv)
     return apply_defaults(args, TINY_DEFAULTS, FULL_DEFAULTS)
@@ -59,7 +67,9 @@ def make_llm(path: Path, args: argparse.Namespace, max_num_seqs: int, **extra: o
                max_model_len=args.context + args.warmup + args.steps + 64,
                enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                attention_backend=args.attention_backend,
-               gpu_memory_utilization=args.gpu_memory_utilization, **extra)
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               quantization=getattr(args, "quantization", None),
+               quantization_group_size=getattr(args, "quantization_group_size", 32), **extra)
 
 
 def model_path(args: argparse.Namespace, shape: str) -> Path:
@@ -113,7 +123,8 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"copy bandwidth on {args.device}: {bandwidth / 1e9:.1f} GB/s")
     shapes = {shape: run_shape(shape, args, batches, bandwidth)
               for shape in args.shapes.split(",")}
-    suffix = device_slug(args.device) + ("-tiny" if args.tiny else "")
+    suffix = (device_slug(args.device) + (f"-{args.quantization}" if args.quantization else "")
+              + ("-tiny" if args.tiny else ""))
     path = write_result(f"decode_roofline-{suffix}", {
         "settings": vars(args), "copy_bandwidth_bytes_per_s": bandwidth, "shapes": shapes})
     print(f"wrote {path}")

@@ -9,6 +9,7 @@ architecture and shrinks every size, for CPU smoke runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -128,7 +129,10 @@ def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, device: str
 
 def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every parameter once (a tied embedding once, as
-    the output head; the embedding lookup itself reads a few rows only)."""
+    the output head; the embedding lookup itself reads a few rows only), and each quantized
+    linear's weight in its layouts (``quantized_bytes``)."""
+    from gpu.quantization.linear import QuantLinear
+
     seen: set[int] = set()
     total = 0
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -136,4 +140,24 @@ def weight_bytes(model) -> int:
             continue
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
-    return total
+    return total + sum(quantized_bytes(m) for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def quantized_bytes(layer) -> int:
+    """A ``QuantLinear``'s weight bytes: its own form's (4-bit values two to a byte) before it
+    is packed, else every tensor of the layouts its plan kept (on a GPU, the Triton method's
+    one)."""
+    if layer.weight_format is not None:
+        return layer.weight_format.nbytes
+
+    def tensors(v: object) -> list[torch.Tensor]:
+        if isinstance(v, torch.Tensor):
+            return [v]
+        if isinstance(v, (tuple, list)):
+            return [t for x in v for t in tensors(x)]
+        if dataclasses.is_dataclass(v):
+            return [t for f in dataclasses.fields(v) for t in tensors(getattr(v, f.name))]
+        return []
+
+    layouts = [v for k, v in vars(layer.packs).items() if k not in ("format", "kernels")]
+    return sum(t.numel() * t.element_size() for t in tensors(layouts))

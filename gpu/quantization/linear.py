@@ -16,6 +16,9 @@ bucket, as it does for float linears:
 - ``aten``: torch's own fused ops, which dequantize inside the GEMM: ``_weight_int8pack_mm``
   (int8 with one scale per output channel) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups
   of 32 to 256 with a scale and a zero point);
+- ``triton`` (CUDA): a Triton GEMM (``gpu/quantization/triton_linear.py``) reading int8, or
+  4-bit values two to a byte, and dequantizing each tile in registers in its K loop; the first
+  candidate on a GPU, where no C++ kernel runs;
 - ``torch``: the weight dequantized to the activations' dtype for the call and ``F.linear``
   over it. Always a candidate, and the reference the others are tested against; it never
   keeps a float copy of the weight between calls.
@@ -27,6 +30,7 @@ Where the kernels are built, each layer's dispatch is a C++ ``PlannedLinear`` ov
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -41,9 +45,11 @@ from gpu.quantization.weights import QuantizedWeight
 
 ATEN = "aten"
 DOT = "dot"
+TRITON = "triton"
 # In the order ``force`` prefers them: the exact kernels first, so an untimed plan keeps the
 # float maths; ``dot`` runs where the selector measures it faster.
-METHODS = (KERNELS, DOT, ATEN, TORCH)
+METHODS = (KERNELS, DOT, ATEN, TRITON, TORCH)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations tidal's kernels take
 CSRC_METHODS = {KERNELS: 4, ATEN: 5, TORCH: 6, DOT: 7}  # csrc's LinearMethod of each
 FLOAT16_MAX = 65504.0
@@ -62,7 +68,17 @@ def candidate_methods(weight: QuantizedWeight, device: torch.device,
         methods.append(DOT)
     if device.type == "cpu" and _aten_fits(weight):
         methods.append(ATEN)
+    if device.type == "cuda" and dtype in TRITON_DTYPES and _triton_fits(weight):
+        methods.append(TRITON)
     return methods + [TORCH]
+
+
+def _triton_fits(w: QuantizedWeight) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from gpu.quantization.triton_linear import supports
+
+    return supports(w)
 
 
 def _tidal_fits(w: QuantizedWeight) -> bool:
@@ -104,6 +120,11 @@ class QuantPacks:
         self.aten = _aten_pack(weight, dtype) if ATEN in methods else None
         self.dot = (pack_for_dot(weight, self.kernels.dot_linear_tile()[0])
                     if DOT in methods else None)
+        self.triton = None
+        if TRITON in methods:
+            from gpu.quantization.triton_linear import pack_for_triton
+
+            self.triton = pack_for_triton(weight)
 
     def run(self, method: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` by ``method``, from Python (for timing, and where no kernels exist)."""
@@ -118,6 +139,10 @@ class QuantPacks:
             y = (torch.ops.aten._weight_int8pack_mm(x, weight, scales) if self.bits == 8 else
                  torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group_size, scales))
             return y if bias is None else y + bias
+        if method == TRITON:
+            from gpu.quantization.triton_linear import triton_quant_linear
+
+            return triton_quant_linear(x, self.triton, bias)
         return F.linear(x, self.format.dequantize(x.dtype), bias)
 
     def kernel(self, bias: torch.Tensor | None, plan: Plan) -> object | None:
