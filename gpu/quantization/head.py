@@ -25,6 +25,7 @@ from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
 from gpu.cpu.selector import TORCH, Plan, PlanCache
 from gpu.quantization.linear import (
     ATEN,
+    DOT,
     QuantLinear,
     QuantPacks,
     candidate_methods,
@@ -145,7 +146,8 @@ def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     linears = sum(m.weight_format.nbytes for m in model.modules()
                   if isinstance(m, QuantLinear) and m.weight_format is not None)
     one_layout = linears + w.nbytes > two_layouts_max_bytes
-    methods = candidate_methods(w, w.q.device, head.dtype)
+    # The logits stay exact in the activations: no dot kernel, which rounds them to int8.
+    methods = [m for m in candidate_methods(w, w.q.device, head.dtype) if m != DOT]
     if one_layout and head.dtype != torch.float32:
         methods = [m for m in methods if m in PLAIN_ROW_METHODS]
     name = "qlinear {}x{} int8|{}|{}".format(head.out_features, head.in_features,
