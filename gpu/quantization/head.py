@@ -2,7 +2,7 @@
 tied model's token embedding reads too.
 
 At batch 1 a small model's float32 head is a large share of the bytes a decode step reads (the
-28M benchmark Llama's is 8 MB beside its 12 MB of int4 decoder weights); int8 is a quarter.
+28M benchmark Llama's is 8 MB beside its 11 MB of int4 decoder weights); int8 is a quarter.
 
 A tied head in the model's dtype costs its bytes twice on the CPU: once as the embedding's
 plain rows, once in the packed layout its matmul runs fastest from (``gpu/cpu/packed_linear.py``),
