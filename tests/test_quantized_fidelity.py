@@ -41,9 +41,9 @@ HELD_OUT_RISE = {"int8": 0.01, "int4g32": 0.05}
 
 def hf_twin(path: str, fmt: str, rounded: bool = False):
     """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
-    dequantized, and the output head (a tied model's embedding with it) as int8 per row: the
-    reference tidal's quantized engine is held to. ``rounded``: as the dot kernel multiplies,
-    with float16 scales and offsets and inputs rounded to int8 per block."""
+    dequantized, and a tied embedding and head as int8 per row: the reference tidal's quantized
+    engine is held to. ``rounded``: as the dot kernel multiplies, with float16 scales and
+    offsets and inputs rounded to int8 per block."""
     method, group = FORMATS[fmt]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
     if rounded:
@@ -54,9 +54,10 @@ def hf_twin(path: str, fmt: str, rounded: bool = False):
                 module.register_forward_pre_hook(lambda _, args: (round_activations(args[0]),))
     else:
         replace_hf_linears(hf, lambda name, w: quantize(w.cpu(), method, group).dequantize())
-    head = hf.get_output_embeddings().weight  # a tied model's embedding too
-    with torch.no_grad():
-        head.copy_(quantize_int8(head.cpu()).dequantize().to(head.device))
+    if hf.config.tie_word_embeddings:
+        embedding = hf.get_input_embeddings().weight
+        with torch.no_grad():
+            embedding.copy_(quantize_int8(embedding.cpu()).dequantize().to(embedding.device))
     hf.generation_config.eos_token_id = None
     hf.reference_cache = {}
     return hf

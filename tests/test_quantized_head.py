@@ -96,11 +96,9 @@ def test_a_tied_quantized_model_reads_one_int8_weight(tied_dir):
     torch.testing.assert_close(head(x), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_an_untied_head_is_int8_alone_and_float_models_keep_theirs(tied_dir, tmp_path):
+def test_untied_and_float_models_keep_their_heads(tied_dir, tmp_path):
     untied = build_model_dir(tmp_path, "qwen2", hidden_size=128)
-    model = _read(untied)
-    assert isinstance(model.lm_head, QuantHead)
-    assert isinstance(model.embed_tokens, torch.nn.Embedding)  # the embedding keeps its dtype
+    assert isinstance(_read(untied).lm_head, torch.nn.Linear)
     assert isinstance(_read(tied_dir, quantization=None).lm_head, torch.nn.Linear)
 
 
@@ -136,7 +134,7 @@ def test_a_small_model_times_every_exact_method_for_its_head(tied_dir, tmp_path,
     (name,) = plan_tied_head(model, 8, cache)
     w = model.lm_head.weight_format
     methods = [m for m in candidate_methods(w, w.q.device, torch.bfloat16) if m != DOT]
-    assert name.endswith("|" + ",".join(methods) + " (head)")  # every exact one was timed
+    assert name.endswith("|" + ",".join(methods) + " (tied head)")  # every exact one was timed
     assert model.lm_head.plan.used() == {TORCH}
 
 

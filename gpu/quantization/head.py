@@ -1,8 +1,5 @@
-"""The output head under ``--quantization``: int8 with one scale per vocabulary row, which a
-tied model's token embedding reads too.
-
-At batch 1 a small model's float32 head is a large share of the bytes a decode step reads (the
-28M benchmark Llama's is 8 MB beside its 11 MB of int4 decoder weights); int8 is a quarter.
+"""A tied output head under ``--quantization``: one int8 weight (one scale per vocabulary row)
+that is both the token embedding and the output head.
 
 A tied head in the model's dtype costs its bytes twice on the CPU: once as the embedding's
 plain rows, once in the packed layout its matmul runs fastest from (``gpu/cpu/packed_linear.py``),
@@ -128,7 +125,7 @@ class QuantHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
-                f"{self.plan.describe()}")
+                f"tied, {self.plan.describe()}")
 
 
 def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -163,4 +160,4 @@ def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     if one_layout:
         plan = Plan.always(plan.single())
     head.replan(plan)
-    return {name + " (head)": plan}
+    return {name + " (tied head)": plan}
