@@ -29,6 +29,7 @@ from gpu.quantization.linear import (
     QuantLinear,
     QuantPacks,
     candidate_methods,
+    planned_forward,
     quant_candidates,
 )
 from gpu.quantization.weights import QuantizedWeight, quantize_int8
@@ -112,16 +113,7 @@ class QuantHead(nn.Module):
         self.kernel = self.packs.kernel(None, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packs is None:
-            self.replan(self.plan)
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        if self.kernel is not None:
-            y = self.kernel(rows)
-        else:
-            y = self.packs.run(self.plan.pick(rows.shape[0]), rows, None)
-        return y.view(*x.shape[:-1], self.out_features)
+        return planned_forward(self, x, None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "

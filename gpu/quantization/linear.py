@@ -271,20 +271,28 @@ class QuantLinear(nn.Module):
         self.kernel = self.packs.kernel(self.bias, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packs is None:
-            self.replan(self.plan)
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        if self.kernel is not None:
-            y = self.kernel(rows)
-        else:
-            y = self.packs.run(self.plan.pick(rows.shape[0]), rows, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return planned_forward(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.format_name}, {self.plan.describe()}")
+
+
+def planned_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """``x W^T + b`` for a quantized layer (``QuantLinear``, ``head.QuantHead``): packed for
+    its plan on the first call, then its C++ ``PlannedLinear`` where the kernels are built,
+    else the method its plan names for the row count."""
+    if layer.packs is None:
+        layer.replan(layer.plan)
+    rows = x.reshape(-1, layer.in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if layer.kernel is not None:
+        y = layer.kernel(rows)
+    else:
+        y = layer.packs.run(layer.plan.pick(rows.shape[0]), rows, bias)
+    return y.view(*x.shape[:-1], layer.out_features)
 
 
 def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[str]
