@@ -17,40 +17,44 @@
 #include <algorithm>
 #include <type_traits>
 
-using tidal::kLanes;
-using tidal::vec16;
+using tidal::vnative;
 
 namespace {
 
-inline vec16 silu(vec16 x) {
-  const vec16 e = tidal::exp_nonpositive(x < 0 ? x : -x);
-  const vec16 r = 1.f / (1.f + e);
+// One register of the target a step: GCC lowers a vec16's selects (x < 0 ? a : b) lane by lane
+// where a vec16 spans two AVX2 registers.
+constexpr int64_t kStep = tidal::kNativeLanes;
+
+template <typename V>
+TIDAL_INLINE V silu(V x) {
+  const V e = tidal::exp_nonpositive(x < 0 ? x : -x);
+  const V r = 1.f / (1.f + e);
   return x < 0 ? x * e * r : x * r;
 }
 
 inline float silu(float x) {
-  const vec16 v = silu(tidal::splat(x));
+  const vnative v = silu(tidal::splat<vnative>(x));
   return v[0];
 }
 
 // Each lane rounded to scalar_t and back, as storing and reloading it would.
 template <typename scalar_t>
-inline vec16 rounded(vec16 v) {
+TIDAL_INLINE vnative rounded(vnative v) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return v;
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     return tidal::round_to_bf16(v);
   } else {
-    alignas(64) float r[kLanes];
-    for (int i = 0; i < kLanes; ++i) r[i] = static_cast<float>(static_cast<scalar_t>(v[i]));
-    return tidal::load(r);
+    alignas(64) float r[kStep];
+    for (int i = 0; i < kStep; ++i) r[i] = static_cast<float>(static_cast<scalar_t>(v[i]));
+    return tidal::load<vnative>(r);
   }
 }
 
 template <typename scalar_t>
-inline void store(scalar_t* p, vec16 v) {
+TIDAL_INLINE void store(scalar_t* p, vnative v) {
   if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    for (int i = 0; i < kLanes; ++i) p[i] = static_cast<scalar_t>(v[i]);
+    for (int i = 0; i < kStep; ++i) p[i] = static_cast<scalar_t>(v[i]);
   } else {
     tidal::store(p, v);
   }
@@ -61,24 +65,24 @@ void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
   const int64_t width = out.size(-1), rows = out.numel() / width;
   const scalar_t* in = x.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t vector_end = width / kLanes * kLanes;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = in + r * 2 * width;
       const scalar_t* up = gate + width;
       scalar_t* orow = o + r * width;
       int64_t j = 0;
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // 32 at a time, in pairs
-        for (; j + 2 * kLanes <= width; j += 2 * kLanes) {
-          vec16 g[2], u[2];
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // two registers at a time
+        for (; j + 2 * kStep <= width; j += 2 * kStep) {
+          vnative g[2], u[2];
           tidal::load_pairs(gate + j, g[0], g[1]);
           tidal::load_pairs(up + j, u[0], u[1]);
           tidal::store_pairs(orow + j, tidal::round_to_bf16(silu(g[0])) * u[0],
                              tidal::round_to_bf16(silu(g[1])) * u[1]);
         }
       }
-      for (; j < vector_end; j += kLanes)
-        store(orow + j, rounded<scalar_t>(silu(tidal::load(gate + j))) * tidal::load(up + j));
+      for (; j + kStep <= width; j += kStep)
+        store(orow + j, rounded<scalar_t>(silu(tidal::load<vnative>(gate + j))) *
+                            tidal::load<vnative>(up + j));
       for (; j < width; ++j) {
         const scalar_t s = static_cast<scalar_t>(silu(static_cast<float>(gate[j])));
         orow[j] = static_cast<scalar_t>(static_cast<float>(s) * static_cast<float>(up[j]));

@@ -1,6 +1,6 @@
 // The index of each row's largest value in a float32 [rows, width] tensor, as torch's
 // max(dim=-1).indices gives it: the first index among equal maxima, and the first NaN's index
-// where a row has one. torch runs it as a scalar loop; here each of 16 lanes keeps its own
+// where a row has one. torch runs it as a scalar loop; here each lane of a register keeps its own
 // maximum and index over the row, and the lanes are compared once at the end.
 
 #include "kernels.h"
@@ -12,11 +12,14 @@
 #include <cmath>
 #include <cstdint>
 
-using tidal::ivec16;
-using tidal::kLanes;
-using tidal::vec16;
+using tidal::vnative;
 
 namespace {
+
+// One register of the target: GCC lowers a vec16's selects lane by lane where a vec16 spans
+// two AVX2 registers.
+constexpr int64_t kLanes = tidal::kNativeLanes;
+typedef tidal::Vectors<kLanes>::i ivnative;
 
 int64_t first_nan(const float* row, int64_t width) {
   for (int64_t j = 0; j < width; ++j)
@@ -31,14 +34,14 @@ int64_t row_argmax(const float* row, int64_t width) {
       if (row[j] > row[best] || (std::isnan(row[j]) && !std::isnan(row[best]))) best = j;
     return best;
   }
-  vec16 best = tidal::load(row);
-  ivec16 index, lane_index;
+  vnative best = tidal::load<vnative>(row);
+  ivnative index, lane_index;
   for (int i = 0; i < kLanes; ++i) index[i] = lane_index[i] = i;
-  ivec16 nan = best != best;
+  ivnative nan = best != best;
   const int64_t vector_end = width / kLanes * kLanes;
   for (int64_t j = kLanes; j < vector_end; j += kLanes) {
-    const vec16 v = tidal::load(row + j);
-    const ivec16 greater = v > best;  // strict: each lane keeps its first maximum
+    const vnative v = tidal::load<vnative>(row + j);
+    const ivnative greater = v > best;  // strict: each lane keeps its first maximum
     best = greater ? v : best;
     index = greater ? lane_index + static_cast<int32_t>(j) : index;
     nan |= v != v;
