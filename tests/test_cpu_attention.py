@@ -76,6 +76,32 @@ def test_bfloat16_decode_rows_match(backend, head_dim, group):
     torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=atol, rtol=0)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for a test, and puts it back after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# Fewer decode rows than threads: the kernel splits each row's KV heads over the threads,
+# unevenly where they do not divide (3 heads in 2 parts).
+@pytest.mark.parametrize("kv_heads,num_threads,rows", [(2, 2, 1), (3, 2, 1), (4, 8, 3),
+                                                       (8, 4, 2)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 8e-3)])
+def test_fewer_rows_than_threads_split_their_kv_heads(threads, kv_heads, num_threads, rows,
+                                                      dtype, atol):
+    threads(num_threads)
+    context = random.Random(kv_heads + rows).sample(range(1, 300), rows)
+    meta = paged_layout(context, [1] * rows, 16, seed=kv_heads)
+    key_cache, value_cache = random_caches(meta, 16, kv_heads, 64, dtype)
+    query = torch.randn(rows, kv_heads * 2, 64).to(dtype)
+    got = get_attention_backend("cpu", "cpu").forward(query, key_cache, value_cache, meta, 0.17)
+    ref = reference_paged_attention(query.float(), key_cache.float(), value_cache.float(), meta,
+                                    0.17)
+    torch.testing.assert_close(got.float(), ref.to(dtype).float(), atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
                                         (torch.float16, 5e-3)])
 def test_mixed_prefill_and_decode_match(backend, dtype, atol):

@@ -110,6 +110,18 @@ def test_decode_over_int8_is_attention_over_the_dequantized_cache(backend, block
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+def test_a_single_stream_splits_its_kv_heads_over_the_threads():
+    """One decode row with two threads: each takes one of the row's two KV heads, and its
+    scales."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, ref = _attend("cpu", [237], [1], 16, 64, 2, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_queries_over_int8(backend, dtype):

@@ -5,7 +5,8 @@
 // softmax kept online (a running maximum and sum per head, the partial output rescaled when the
 // maximum grows), so there is no scores buffer and no separate softmax. A block's dot products
 // are summed across their lanes together (tidal::sum_each) into one vector of scores. Rows are
-// split over torch's threads with tidal::parallel_items.
+// split over torch's threads with tidal::parallel_items; fewer rows than threads, their KV heads
+// too.
 //
 // The kernel works in the target's own vectors (vec.h's vnative), a block being one vector's
 // lanes of positions: 16 with AVX-512, 8 with AVX2. A block's partial dot products, the slice
@@ -307,43 +308,53 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
   std::vector<int64_t> element(dim);  // where lane l of chunk c sits in a head's row
   for (int64_t e = 0; e < dim; ++e) element[e] = Rows::element(e / kLanes, e % kLanes);
 
-  // A task is one row. Every head takes its turn on each block of positions before the next,
-  // so the positions' whole cache rows (all KV heads) are read together, front to back.
-  tidal::parallel_items(rows, [&](tidal::ItemSource& items) {
+  // A task is one row's KV heads [kv0, kv1): the whole row, or where rows are fewer than
+  // threads (a single stream), a part of its heads, so that every thread has work. Each head
+  // takes its turn on each block of positions before the next, so the positions' cache rows
+  // (the task's KV heads) are read together, front to back.
+  const int64_t kv_heads = key_cache.size(2);
+  const int64_t parts = std::clamp<int64_t>(at::get_num_threads() / std::max<int64_t>(rows, 1),
+                                            1, kv_heads);
+  tidal::parallel_items(rows * parts, [&](tidal::ItemSource& items) {
     const int64_t state_floats = 2 * dim + kLanes;
     std::vector<float> qf(heads * dim), acc(heads * state_floats);
     std::vector<HeadState> states(heads);
     std::vector<int64_t> offsets, at_scales;
-    std::vector<float> block_scales(Rows::kScaled ? 2 * key_cache.size(2) * kLanes : 0);
+    std::vector<float> block_scales(Rows::kScaled ? 2 * kv_heads * kLanes : 0);
     std::vector<const char*> groups(
         2 * kLanes * ((row_elements * sizeof(cache_t) + kGroupBytes - 1) / kGroupBytes));
-    for (int64_t i; (i = items.next()) >= 0;) {
+    for (int64_t item; (item = items.next()) >= 0;) {
+      const int64_t i = item / parts, part = item % parts;
+      const int64_t kv0 = kv_heads * part / parts, kv1 = kv_heads * (part + 1) / parts;
+      const int64_t h0 = kv0 * group, h1 = kv1 * group, task_elements = (kv1 - kv0) * dim;
       const int64_t r = req[i], len = lens[r];
       const scalar_t* qi = q + qrow[i] * query.stride(0);
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = h0; h < h1; ++h)
         for (int64_t e = 0; e < dim; ++e)
           qf[h * dim + e] = static_cast<float>(qi[h * dim + element[e]]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t h = 0; h < heads; ++h)
+      std::fill(acc.begin() + h0 * state_floats, acc.begin() + h1 * state_floats, 0.f);
+      for (int64_t h = h0; h < h1; ++h)
         states[h] = HeadState{-std::numeric_limits<float>::infinity(),
                               acc.data() + h * state_floats};
       tidal::context_offsets(table + r * block_table.stride(0), len, key_cache.size(1),
                       key_cache.stride(0), key_cache.stride(1), offsets);
       if (Rows::kScaled) tidal::scale_offsets(offsets, dim, at_scales);
-      const int64_t kv_heads = key_cache.size(2);
-      const int64_t first_groups = future_groups(keys, values, offsets.data(), 0, len,
-                                                 row_elements, groups);
+      // the task's part of each position's cache row, for the prefetches
+      const cache_t* task_keys = keys + kv0 * dim;
+      const cache_t* task_values = values + kv0 * dim;
+      const int64_t first_groups = future_groups(task_keys, task_values, offsets.data(), 0, len,
+                                                 task_elements, groups);
       for (int64_t g = 0; g < first_groups; ++g) prefetch_group(groups[g]);
       for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
         const int64_t n = std::min(kLanes, len - p0);
-        const int64_t count = future_groups(keys, values, offsets.data(), p0 + kPrefetchAhead,
-                                            len, row_elements, groups);
-        const int64_t per_head = (count + heads - 1) / heads;
+        const int64_t count = future_groups(task_keys, task_values, offsets.data(),
+                                            p0 + kPrefetchAhead, len, task_elements, groups);
+        const int64_t per_head = (count + h1 - h0 - 1) / (h1 - h0);
         if (Rows::kScaled) gather_block_scales(key_scales, value_scales, at_scales.data() + p0,
                                                kv_heads, block_scales.data());
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           const int64_t head_offset = (h / group) * dim;
-          const int64_t first = std::min(count, h * per_head);
+          const int64_t first = std::min(count, (h - h0) * per_head);
           const float* kv_scales = block_scales.data() + 2 * (h / group) * kLanes;
           const Scales head_scales{kv_scales, kv_scales + kLanes};
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
@@ -353,7 +364,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
         }
       }
       scalar_t* oi = o + qrow[i] * out.stride(0);
-      for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         const float* a = states[h].acc;
         const float total = tidal::sum(tidal::load<V>(a + 2 * dim));
         for (int64_t e = 0; e < dim; ++e)
