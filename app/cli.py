@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--quantization", default=None, choices=["int8", "int4"],
                        help="quantize the decoder layers' weights at load: 'int8' (one scale "
                        "per output channel) or 'int4' (groups of --quantization-group-size); "
-                       "the embedding and output head keep --dtype")
+                       "the output head becomes int8 per row, an untied embedding keeps --dtype")
     model.add_argument("--quantization-group-size", type=int, default=32,
                        choices=[32, 64, 128], help="inputs sharing an int4 scale")
     model.add_argument("--max-model-len", type=_positive_int, default=None,

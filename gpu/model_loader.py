@@ -24,7 +24,7 @@ from gpu.quantization.apply import (
     log_quantized,
     quantize_on_read,
 )
-from gpu.quantization.head import install_tied_head, quantize_head
+from gpu.quantization.head import QuantHead, install_tied_head, quantize_head
 from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 from gpu.weight_shards import shard_weights
 
@@ -71,8 +71,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     float model never exists whole in memory; nor does it where the checkpoint's linears are
     all quantized already (a GGUF's). Under tensor parallelism each weight is cut to this
     rank's part as it is read (after quantization, so that the parts are the whole's).
-    With ``quantization``, a tied embedding and output head become one int8 weight with one
-    scale per row (``gpu/quantization/head.py``)."""
+    With ``quantization``, the output head becomes int8 with one scale per row, which a tied
+    embedding shares (``gpu/quantization/head.py``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
@@ -86,7 +86,7 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     model.tie_weights()
     model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
     _load_weights(model, model.local_config, weights, dtype, str(model_dir),
-                  quantize_tied_head=quantization is not None)
+                  quantize_head_rows=quantization is not None)
     if quantization is not None:
         log_quantized(model, quantization, group_size)
     return model.eval()
@@ -109,11 +109,11 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
-                  dtype: torch.dtype, source: str, quantize_tied_head: bool = False) -> None:
+                  dtype: torch.dtype, source: str, quantize_head_rows: bool = False) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
-    tied_head = quantize_tied_head and cfg.tie_word_embeddings
+    tied_head = quantize_head_rows and cfg.tie_word_embeddings
     for name, value in weights:
         target, shard = _map_name(name)
         if target is None or target not in params:
@@ -122,6 +122,10 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[t
             continue
         if tied_head and target == "embed_tokens.weight":
             install_tied_head(model, quantize_head(value), dtype)
+            loaded.add(target)
+            continue
+        if quantize_head_rows and target == "lm_head.weight":  # an untied head: int8 alone
+            model.lm_head = QuantHead(quantize_head(value), dtype)
             loaded.add(target)
             continue
         if isinstance(value, QuantizedWeight):

@@ -25,7 +25,7 @@ from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from gpu.cpu.packed_linear import pack_linear_layers
 from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from gpu.layers import RMSNorm, silu_and_mul
-from gpu.quantization.head import plan_tied_head
+from gpu.quantization.head import plan_head
 from gpu.quantization.linear import plan_quant_linears
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
     linears = pack_linear_layers(model, max_rows, cache if auto else None)
     plans: dict[str, Plan] = {f"linear {m.out_features}x{m.in_features}": m.plan
                               for m in linears}
-    plans.update(plan_tied_head(model, max_rows, cache if auto else None))
+    plans.update(plan_head(model, max_rows, cache if auto else None))
     plans.update(plan_quant_linears(model, max_rows, cache if auto else None))
     kernels = load_cpu_kernels()
     dtype = model.norm.weight.dtype

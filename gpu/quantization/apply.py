@@ -1,11 +1,12 @@
 """Quantizing a float model's linears as they are read (``--quantization int8|int4``).
 
-Only the decoder layers' linears are quantized (attention's qkv and output projections, the
-MLP's gate/up and down projections), which hold nearly all of a model's weight bytes at any
-size that needs quantizing. An untied token embedding and output head keep the model's dtype:
-the embedding is a row lookup, not a matmul, so quantizing it saves memory and no time, and the
-output head's error lands directly on every logprob. A tied one becomes one int8 weight with one
-scale per row, which both read (``head.py``): in the model's dtype it would be kept twice, as the
+The decoder layers' linears are quantized in the format asked for (attention's qkv and output
+projections, the MLP's gate/up and down projections), which hold nearly all of a model's weight
+bytes at any size that needs quantizing. The output head becomes int8 with one scale per row
+(``head.py``): finer, because its error lands directly on every logprob, and quantized at all
+because at batch 1 a small model's head is a large share of a step's bytes. An untied token
+embedding keeps the model's dtype (a row lookup, not a matmul: quantizing it saves memory and
+no time); a tied one is the head's int8 weight, which would otherwise be kept twice, as the
 embedding's rows and in the layout the head's matmul runs from.
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from gpu.quantization.head import QuantHead
+from gpu.quantization.head import QuantEmbedding, QuantHead
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
@@ -71,9 +72,13 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
     size = sum(m.weight_format.nbytes for m in layers if m.weight_format is not None)
     how = f"groups of {group_size}" if method == "int4" else "per output channel"
     head = model.lm_head
-    if isinstance(head, QuantHead):
+    if isinstance(model.embed_tokens, QuantEmbedding):
         rest = (f"the tied embedding and output head are one int8 weight (per row): "
                 f"{head.weight_format.nbytes / 1e6:.1f} MB")
+    elif isinstance(head, QuantHead):
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        rest = (f"the output head is int8 (per row): {head.weight_format.nbytes / 1e6:.1f} MB; "
+                f"the embedding stays {dtype}")
     else:
         dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
         rest = f"the embedding and output head stay {dtype}"

@@ -1,5 +1,8 @@
-"""A tied output head under ``--quantization``: one int8 weight (one scale per vocabulary row)
-that is both the token embedding and the output head.
+"""The output head under ``--quantization``: int8 with one scale per vocabulary row, which a
+tied model's token embedding reads too.
+
+At batch 1 every decode step reads the whole head, and a small model's float32 head is a large
+share of the step's bytes; int8 is a quarter of them.
 
 A tied head in the model's dtype costs its bytes twice on the CPU: once as the embedding's
 plain rows, once in the packed layout its matmul runs fastest from (``gpu/cpu/packed_linear.py``),
@@ -7,7 +10,11 @@ which is a Qwen2.5-3B model's 622 MB of bfloat16 twice. Quantized to int8 per ro
 one plain copy, a quarter of those bytes: the embedding dequantizes the rows it looks up
 (``QuantEmbedding``), and the head multiplies by the same tensor (``QuantHead``).
 
-On the CPU the head's plan is timed as a quantized linear's is (``gpu/quantization/linear.py``).
+On the CPU the head's plan is timed as a quantized linear's is (``gpu/quantization/linear.py``),
+the dot kernel among the candidates: where it wins, the logits are computed from the final
+hidden state rounded to int8 per block of 32 inputs, as llama.cpp's are, within the bounds that
+``docs/quantization.md`` states for ``--quantization``.
+
 Where the model keeps one layout per weight (its quantized weights pass
 ``TWO_LAYOUTS_MAX_BYTES``), the head's candidates are the methods that multiply from the plain
 rows the embedding reads (torch's int8 op, or torch's path), so no second copy is made; with
@@ -25,7 +32,6 @@ from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
 from gpu.cpu.selector import TORCH, Plan, PlanCache
 from gpu.quantization.linear import (
     ATEN,
-    DOT,
     QuantLinear,
     QuantPacks,
     candidate_methods,
@@ -117,7 +123,7 @@ class QuantHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
-                f"tied, {self.plan.describe()}")
+                f"{self.plan.describe()}")
 
 
 def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -126,8 +132,8 @@ def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dt
     model.lm_head = QuantHead(weight, dtype)
 
 
-def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
-                   two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
+def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
+              two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
     """Time and set the plan of the model's ``QuantHead``, if it has one (``auto`` with a
     ``cache``; else the first candidate). Call before the decoder linears are planned: whether
     the model keeps one layout per weight counts their bytes. Returns the plan by name."""
@@ -138,8 +144,7 @@ def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     linears = sum(m.weight_format.nbytes for m in model.modules()
                   if isinstance(m, QuantLinear) and m.weight_format is not None)
     one_layout = linears + w.nbytes > two_layouts_max_bytes
-    # The logits stay exact in the activations: no dot kernel, which rounds them to int8.
-    methods = [m for m in candidate_methods(w, w.q.device, head.dtype) if m != DOT]
+    methods = candidate_methods(w, w.q.device, head.dtype)
     if one_layout and head.dtype != torch.float32:
         methods = [m for m in methods if m in PLAIN_ROW_METHODS]
     name = "qlinear {}x{} int8|{}|{}".format(head.out_features, head.in_features,
@@ -152,4 +157,4 @@ def plan_tied_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     if one_layout:
         plan = Plan.always(plan.single())
     head.replan(plan)
-    return {name + " (tied head)": plan}
+    return {name + " (head)": plan}
