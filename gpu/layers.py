@@ -65,14 +65,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                    / head_dim))
-        inv_freq = _scale_inv_freq(inv_freq, scaling or {})
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        if torch.get_default_device().type == "meta":  # shapes only (model_loader.read_model)
+            cos = sin = torch.empty(max_positions, head_dim)
+        else:
+            cos, sin = _rotary_table(head_dim, max_positions, theta, scaling or {})
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
@@ -87,6 +85,18 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotary_table(head_dim: int, max_positions: int, theta: float,
+                  scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin of every position's angles, ``[max_positions, head_dim]`` each."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                / head_dim))
+    inv_freq = _scale_inv_freq(inv_freq, scaling)
+    t = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from gpu.attention import AttentionBackend
 from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
@@ -73,7 +75,7 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     rank's part as it is read (after quantization, so that the parts are the whole's).
     With ``quantization``, the output head becomes int8 with one scale per row, which a tied
     embedding shares (``gpu/quantization/head.py``)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _uninitialized_layers():
         model = LlamaForCausalLM(cfg, backend, max_positions)
     weights = checkpoint_weights(model_dir)
     if quantization is not None or linears_arrive_quantized(model_dir):
@@ -90,6 +92,26 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     if quantization is not None:
         log_quantized(model, quantization, group_size)
     return model.eval()
+
+
+@contextmanager
+def _uninitialized_layers() -> Iterator[None]:
+    """Linear and embedding layers built without their random initialization, for a model
+    built on the meta device only to have its weights read into it. On meta tensors torch runs
+    the initializers through its Python reference ops, whose first call imports torch._dynamo,
+    and Triton with it, into a server that never compiles (bench/NOTES.md: what that costs)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = _no_initialization
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
+
+
+def _no_initialization(_layer: nn.Module) -> None:
+    pass
 
 
 def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from core import LLM, SamplingParams
 from gpu.cpu.packed_linear import PackedLinear
 from gpu.model_config import ModelConfig
-from gpu.model_loader import resolve_dtype
+from gpu.model_loader import _uninitialized_layers, resolve_dtype
 from gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]
@@ -90,3 +94,23 @@ def test_float16_runs_on_the_cpu_like_float32(model_dir):
     half = LLM(str(model_dir), dtype="float16").generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in half)
     assert [o.outputs[0].token_ids[:2] for o in half] == [t[:2] for t in _greedy(model_dir)]
+
+
+def test_loading_a_model_imports_no_compiler(model_dir):
+    """A model is built on the meta device before its weights are read; initializers and
+    maths on meta tensors run through torch's Python reference ops, which import
+    torch._dynamo (and Triton with it) into a process that never compiles."""
+    code = ("import sys; from core import LLM; LLM(sys.argv[1]); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'; "
+            "assert 'triton' not in sys.modules, 'triton was imported'")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code, str(model_dir)], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[1], timeout=600)
+
+
+def test_layers_are_initialized_again_once_the_model_is_built():
+    before = (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters)
+    with _uninitialized_layers():
+        assert torch.nn.Linear(4, 4, device="meta").weight.is_meta
+    assert (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters) == before
+    assert torch.nn.Linear(64, 64).weight.abs().sum() > 0  # initialized, not left empty
