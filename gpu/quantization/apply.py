@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from gpu.quantization.head import QuantEmbedding, QuantHead
+from gpu.quantization.head import QuantEmbedding
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
@@ -75,12 +75,9 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
     if isinstance(model.embed_tokens, QuantEmbedding):
         rest = (f"the tied embedding and output head are one int8 weight (per row): "
                 f"{head.weight_format.nbytes / 1e6:.1f} MB")
-    elif isinstance(head, QuantHead):
+    else:
         dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
         rest = (f"the output head is int8 (per row): {head.weight_format.nbytes / 1e6:.1f} MB; "
                 f"the embedding stays {dtype}")
-    else:
-        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-        rest = f"the embedding and output head stay {dtype}"
     logger.info("quantized %d decoder linears to %s (%s): %.1f MB; %s", len(layers), method,
                 how, size / 1e6, rest)
