@@ -133,6 +133,7 @@ def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
 def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
                   dtype: torch.dtype, source: str, quantize_head_rows: bool = False) -> None:
     params = dict(model.named_parameters())
+    device = model.norm.weight.device  # checkpoints are read on the CPU; the model's device
     loaded: set[str] = set()
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
     tied_head = quantize_head_rows and cfg.tie_word_embeddings
@@ -142,6 +143,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[t
             if not name.endswith("rotary_emb.inv_freq"):
                 logger.debug("skipping weight %s", name)
             continue
+        value = value.to(device)  # quantized weights, which no parameter's copy_ moves
         if tied_head and target == "embed_tokens.weight":
             install_tied_head(model, quantize_head(value), dtype)
             loaded.add(target)

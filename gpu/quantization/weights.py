@@ -73,6 +73,12 @@ class QuantizedWeight:
             w = w + self.offsets.float()[..., None]
         return w.view(n, k).to(dtype)
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """This weight with its values, scales and offsets on ``device``."""
+        move = (lambda t: None if t is None else t.to(device))
+        return QuantizedWeight(self.bits, self.group_size, move(self.q), move(self.scales),
+                               move(self.offsets))
+
     def float16_params(self) -> QuantizedWeight:
         """This weight with its scales and offsets rounded to float16, as the dot kernel
         (``gpu/cpu/csrc/dot_linear.cpp``) keeps them."""
