@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                       default=defaults.tensor_parallel_size,
                       help="split the model over N worker processes (one per GPU, or CPU "
                       "processes sharing the cores), all-reducing between them")
+    dist.add_argument("--distributed-executor-backend", choices=("mp", "uni"), default=None,
+                      help="mp: the model in worker processes, one per rank (also for one "
+                      "rank); uni: in the server's process (default: mp for several ranks)")
     dist.add_argument("--nnodes", type=_positive_int, default=defaults.nnodes,
                       help="machines the tensor-parallel ranks span")
     dist.add_argument("--node-rank", type=int, default=defaults.node_rank,
@@ -252,6 +255,7 @@ def serve(args: argparse.Namespace) -> int:
             cpu_kernels=args.cpu_kernels, quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+            distributed_executor_backend=args.distributed_executor_backend,
             node_rank=args.node_rank, distributed_init_method=args.distributed_init_method)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)

@@ -61,6 +61,9 @@ class EngineConfig:
     distributed_init_method: str | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # "mp": the model in worker processes, one per rank (a world of one too); "uni": in this
+    # process; None: "mp" where tensor_parallel_size > 1, else "uni"
+    distributed_executor_backend: str | None = None
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
 
     def __post_init__(self) -> None:
@@ -101,6 +104,13 @@ class EngineConfig:
         self._check_distributed()
 
     def _check_distributed(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'uni', "
+                             f"got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; "
+                             f"tensor_parallel_size is {self.tensor_parallel_size}")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a "
                              f"multiple of nnodes {self.nnodes}")

@@ -14,8 +14,8 @@ from gpu.worker import create_model_runner
 
 def create_executor(config: EngineConfig) -> Executor:
     """The model in this process on one device, or a worker process per tensor-parallel
-    rank."""
-    if config.tensor_parallel_size > 1:
+    rank (``distributed_executor_backend="mp"``: a world of one too)."""
+    if config.tensor_parallel_size > 1 or config.distributed_executor_backend == "mp":
         from gpu.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

@@ -6,7 +6,12 @@ back together are the whole weights."""
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ from gpu.model_config import ModelConfig
 from gpu.quantization.weights import quantize_int4, quantize_int8
 from gpu.random_model import build_model_dir
 from gpu.weight_shards import check_tensor_parallel, local_config, shard_weight
+from tests.device import TEST_DEVICE, on_test_device
 from tests.hf_reference import reference_prompts
 
 NEW_TOKENS = 24
@@ -118,6 +124,54 @@ def test_a_worker_that_raises_fails_the_engine_and_every_worker_ends(tmp_path):
         llm.generate("hello", GREEDY, use_tqdm=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_world_of_one_in_a_worker_process_matches_the_engine_in_process(tmp_path_factory):
+    """``distributed_executor_backend="mp"`` runs even one rank in a worker process (on a GPU:
+    NCCL's group of one, CUDA graphs in the worker), to the in-process engine's tokens."""
+    from gpu.multiproc_executor import MultiprocExecutor
+
+    path = _model(tmp_path_factory, "llama", 4, 2)
+    prompts = reference_prompts(3)[:4]
+    (ref, _), _ = _run(path, prompts, **on_test_device())
+    (got, again), llm = _run(path, prompts, distributed_executor_backend="mp",
+                             **on_test_device())
+    assert isinstance(llm.engine.executor, MultiprocExecutor)
+    _assert_same(ref, got)
+    _assert_same(ref, again)
+    assert not any(p.is_alive() for p in llm.engine.executor.workers), "workers outlived it"
+
+
+@pytest.mark.gpu
+def test_the_group_on_the_device_runs_its_collectives():
+    """The device's group (NCCL on a GPU, gloo on the CPU) all-reduces device tensors, and
+    the gloo group beside it carries Python objects: a world of one, in a fresh process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from gpu.distributed import init_tensor_parallel, leave_tensor_parallel
+        device = "{TEST_DEVICE}"
+        if device != "cpu":
+            torch.cuda.set_device(device if ":" in device else "cuda:0")
+        tp = init_tensor_parallel(0, 1, "tcp://127.0.0.1:{port}", device, timeout_s=60)
+        x = torch.arange(4.0, device=device)
+        dist.all_reduce(x, group=tp.group)
+        box = [{{"plan": [1, 2]}}]
+        dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+        print(dist.get_backend(tp.group), x.device.type, x.tolist(), box[0])
+        leave_tensor_parallel()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    backend = "gloo" if TEST_DEVICE == "cpu" else "nccl"
+    device = "cpu" if TEST_DEVICE == "cpu" else "cuda"
+    want = f"{backend} {device} [0.0, 1.0, 2.0, 3.0] {{'plan': [1, 2]}}"
+    assert proc.stdout.splitlines()[-1] == want
+
+
 def test_an_impossible_split_fails_before_any_worker_starts(tmp_path):
     path = build_model_dir(tmp_path / "m", "llama")
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
@@ -177,6 +231,10 @@ def test_splits_the_model_cannot_take_are_refused():
 
 def test_config_checks_the_distributed_fields(tmp_path):
     path = str(build_model_dir(tmp_path / "m", "llama"))
+    with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'uni'"):
+        EngineConfig(path, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        EngineConfig(path, tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(path, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="multiple of nnodes"):
