@@ -16,3 +16,32 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``TIDAL_TEST_DEVICE=cuda``, a test marked ``cpu_only(reason)`` is skipped with its
+    reason, which ``-rs`` prints: the GPU suite skips nothing without saying why."""
+    from tests.device import TEST_DEVICE
+
+    if TEST_DEVICE == "cpu":
+        return
+    import pytest
+
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is None:
+            continue
+        reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+        if not reason:
+            raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason")
+        item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}"))
+
+
+def pytest_configure(config):
+    from tests.device import TEST_DEVICE
+
+    if TEST_DEVICE.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"TIDAL_TEST_DEVICE={TEST_DEVICE}, but torch sees no GPU")

@@ -7,3 +7,12 @@ TEST_DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cpu")
 # The KV cache of each engine a GPU test builds: fixed, so several fit on one GPU side by side
 # (by default an engine takes 90 % of the GPU's memory).
 GPU_TEST_KV_CACHE = 256 << 20
+
+
+def on_test_device(**engine_args: object) -> dict[str, object]:
+    """``engine_args`` for an engine on ``TEST_DEVICE``: on a GPU, with the fixed test KV
+    cache unless they name one."""
+    engine_args.setdefault("device", TEST_DEVICE)
+    if TEST_DEVICE != "cpu":
+        engine_args.setdefault("kv_cache_memory", GPU_TEST_KV_CACHE)
+    return engine_args

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core import LLM, SamplingParams
-from tests.device import GPU_TEST_KV_CACHE, TEST_DEVICE
+from tests.device import TEST_DEVICE, on_test_device
 
 NEW_TOKENS = 32
 
@@ -40,9 +40,7 @@ def run_hf(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 def fidelity_llm(path: str, **kwargs) -> LLM:
     """Our engine on the test device, in float32 like the reference (on a GPU: Triton
     attention, CUDA graphs, async scheduling)."""
-    if TEST_DEVICE != "cpu":
-        kwargs.setdefault("kv_cache_memory", GPU_TEST_KV_CACHE)
-    return LLM(path, device=TEST_DEVICE, dtype="float32", **kwargs)
+    return LLM(path, dtype="float32", **on_test_device(**kwargs))
 
 
 def check_against_hf(hf, llm: LLM, prompts: list[list[int]], tol: float = 1e-4) -> None:

@@ -13,6 +13,8 @@ from gpu.random_model import build_model_dir
 from tests.device import TEST_DEVICE
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
 
+pytestmark = pytest.mark.gpu
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 MODELS = {

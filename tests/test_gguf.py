@@ -24,6 +24,7 @@ from gpu.model_config import ModelConfig
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight, cat_rows
 from gpu.random_model import build_model_dir
+from tests.device import on_test_device
 from tests.gguf_writing import add_config, llama_cpp_permute, quantize, write_gguf
 from tests.live_server import running_server
 
@@ -135,9 +136,10 @@ def test_config_from_metadata_matches_the_directory(model):
     assert got == want
 
 
+@pytest.mark.gpu
 def test_greedy_tokens_and_logprobs_match_hf_on_the_dequantized_weights(model):
     _, path, twin = model
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", **on_test_device())
     layers = llm.engine.executor.runner.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
     _check_against_twin(llm, twin)
@@ -240,6 +242,7 @@ def test_unsupported_architecture_is_named(tmp_path):
         EngineConfig(model=str(tmp_path / "missing.gguf"))
 
 
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_server_serves_a_gguf_file(tmp_path_factory, monkeypatch):
     _, path, _ = _model("llama", tmp_path_factory)

@@ -24,6 +24,8 @@ from gpu.random_model import build_model_dir
 from tests.device import TEST_DEVICE
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
 
+pytestmark = pytest.mark.gpu
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {"hidden_size": 128})}  # qwen2: biases
 

@@ -28,6 +28,8 @@ from tests.hf_reference import (
     replace_hf_linears,
 )
 
+pytestmark = pytest.mark.gpu
+
 HELD_OUT = Path(__file__).with_name("data") / "heldout-shakespeare.txt"
 FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64)}
 # Bounds against the float original: the top logprob at each of the float run's tokens (nats,
@@ -89,7 +91,7 @@ def test_quantized_engine_equals_hf_on_the_dequantized_weights(arch, fmt, tmp_pa
     check_against_hf(hf_twin(path, fmt), llm, reference_prompts(0), tol=2e-4)
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the dot kernel is a CPU kernel")
+@pytest.mark.cpu_only(reason="the dot kernel is a CPU kernel")
 @pytest.mark.parametrize("fmt", ["int8", "int4g32"])
 def test_engine_on_the_dot_kernel_follows_hf_on_rounded_activations(fmt, tmp_path_factory,
                                                                     monkeypatch):

@@ -15,6 +15,7 @@ from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.random_model import build_model_dir
 from gpu.sampler import Sampler, process_logits, row_argmax
 from gpu.sampling_metadata import build_sampling_metadata
+from tests.device import on_test_device
 
 VOCAB = 32
 EOS = 3
@@ -320,6 +321,7 @@ def test_the_batch_counts_requests_that_need_metadata():
 # -- end to end through LLM ------------------------------------------------------------------
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head dim 16, float32
+ON_DEVICE = on_test_device(dtype="float32")  # the engine tests' engines
 
 
 @pytest.fixture(scope="module")
@@ -332,25 +334,28 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(6, 400, (n,), generator=g).tolist() for n in (9, 40, 70, 25, 90, 55)]
 
 
+@pytest.mark.gpu
 def test_seed_reproduces_through_llm_alone_batched_and_preempted(model_path):
     prompts = _prompts()
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
-    llm = LLM(model_path)
+    llm = LLM(model_path, **ON_DEVICE)
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
              for p, sp in zip(prompts, params)]
     extra = [SamplingParams(temperature=1.0, max_tokens=24), SamplingParams(temperature=0.0)]
     batched = llm.generate(prompts + prompts[:2], params + extra, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched[:len(prompts)]] == alone
-    small = LLM(model_path, kv_cache_memory=12 * 16 * KV_BYTES_PER_TOKEN)
+    small = LLM(model_path, **on_test_device(kv_cache_memory=12 * 16 * KV_BYTES_PER_TOKEN,
+                                              dtype="float32"))
     squeezed = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in squeezed] == alone
     assert len({t for ids in alone for t in ids}) > 30  # really sampled, not stuck
 
 
+@pytest.mark.gpu
 def test_min_tokens_and_logit_bias_through_llm(model_path):
-    llm = LLM(model_path)
+    llm = LLM(model_path, **ON_DEVICE)
     eos = llm.tokenizer.eos_token_id
     params = SamplingParams(temperature=0.0, min_tokens=5, max_tokens=20,
                             logit_bias={eos: 100.0})
@@ -380,14 +385,15 @@ def _run_engine(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> l
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
+@pytest.mark.gpu
 def test_penalties_give_the_same_tokens_with_async_scheduling(model_path):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
                             repetition_penalty=1.5, presence_penalty=0.8,
                             frequency_penalty=0.4)
     prompts = _prompts()[:4]
-    sync = _run_engine(LLM(model_path, async_scheduling=False), prompts, params)
-    overlap = _run_engine(LLM(model_path, async_scheduling=True), prompts, params)
-    plain = _run_engine(LLM(model_path), prompts, params.clone(
+    sync = _run_engine(LLM(model_path, async_scheduling=False, **ON_DEVICE), prompts, params)
+    overlap = _run_engine(LLM(model_path, async_scheduling=True, **ON_DEVICE), prompts, params)
+    plain = _run_engine(LLM(model_path, **ON_DEVICE), prompts, params.clone(
         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0))
     assert overlap == sync
     assert plain != sync

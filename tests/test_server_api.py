@@ -24,7 +24,7 @@ from tests.live_server import (
     sse_events,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 # the example, verbatim but for the model name
 SEED_BODY = ('{"model": "...", "messages": [{"role": "user", "content": "Tell me a joke"}], '
              '"max_tokens": 100, "stream": true}')

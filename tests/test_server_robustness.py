@@ -29,7 +29,7 @@ from tests.live_server import (
     sse_events,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

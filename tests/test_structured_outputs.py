@@ -25,7 +25,10 @@ from core.structured_output import StructuredOutputsParams
 from core.structured_output.compiler import JSON_CHAR, GrammarError, bounded_strings
 from core.structured_output.manager import StructuredOutputManager
 from gpu.random_model import build_model_dir, build_tokenizer
+from tests.device import on_test_device
 from tests.test_scheduler import run_workload, workload
+
+pytestmark = pytest.mark.gpu
 
 NUM_SAMPLES = 50
 # nested objects, arrays, enums and required fields; every string and array bounded, so a
@@ -58,7 +61,8 @@ def random_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["embedded", "random"])
 def llm(request, random_dir):
-    return LLM(DEFAULT_MODEL if request.param == "embedded" else str(random_dir))
+    return LLM(DEFAULT_MODEL if request.param == "embedded" else str(random_dir),
+               **on_test_device())
 
 
 def _samples(llm: LLM, spec: StructuredOutputsParams, max_tokens: int = 200) -> list:
@@ -127,14 +131,14 @@ def test_async_scheduling_gives_the_same_constrained_tokens(random_dir):
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     runs = []
     for async_scheduling in (False, True):
-        llm = LLM(str(random_dir), async_scheduling=async_scheduling)
+        llm = LLM(str(random_dir), async_scheduling=async_scheduling, **on_test_device())
         outs = llm.generate(prompts + prompts, [params] * 4 + [free] * 4)
         runs.append([o.outputs[0].token_ids for o in outs])
     assert runs[0] == runs[1]
 
 
 def test_greedy_constrained_is_deterministic_and_free_rows_keep_their_tokens(random_dir):
-    llm = LLM(str(random_dir))
+    llm = LLM(str(random_dir), **on_test_device())
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     constrained = SamplingParams(temperature=0.0, max_tokens=120,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -150,7 +154,7 @@ def test_greedy_constrained_is_deterministic_and_free_rows_keep_their_tokens(ran
 
 
 def test_a_grammar_that_does_not_compile_fails_only_its_request(random_dir):
-    llm = LLM(str(random_dir))
+    llm = LLM(str(random_dir), **on_test_device())
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
         regex="(unclosed", field="structured_outputs.regex"))
     good = SamplingParams(max_tokens=8, temperature=0.0)

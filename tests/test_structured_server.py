@@ -21,7 +21,7 @@ from gpu.random_model import build_model_dir
 from templates import TEMPLATES_DIR
 from tests.live_server import Server, curl, running_server, sse_events
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 NUM_SAMPLES = 50
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},

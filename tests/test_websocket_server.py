@@ -22,7 +22,7 @@ from tests.live_server import (
 from tests.test_websocket import HELLO, WS_PATH
 
 # A stuck stream must fail its test, not stall the suite.
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
 LONG = 1500  # more tokens than a reply can produce before a cancel lands
 LONG_REQUEST = {"messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
