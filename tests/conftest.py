@@ -7,8 +7,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests run tidal's kernels wherever they apply, as the kernel tests expect; the selector's
-# tests set ``auto`` themselves, with their own timings and plan caches.
-os.environ.setdefault("TIDAL_CPU_KERNELS", "force")
+# tests set ``auto`` themselves, with their own timings and plan caches. The GPU suite's few
+# engines on the CPU (the twins its GPU engines are checked against) take torch's paths: the
+# CPU suite tests the kernels, and building them would cost a GPU machine minutes.
+os.environ.setdefault("TIDAL_CPU_KERNELS",
+                      "force" if os.environ.get("TIDAL_TEST_DEVICE", "cpu") == "cpu" else "off")
 # Without a GPU, Triton kernels run in its interpreter. It reads the variable when triton is
 # first imported, which any test module may do first: set it before all of them.
 if "TRITON_INTERPRET" not in os.environ:

@@ -3,8 +3,9 @@
 ``--quantization int8`` and ``int4`` on the embedded model, and a GGUF file of Q4_K blocks
 (Q8_0 where a row is no multiple of 256) written here from it, each served by a real server
 and asked through the official ``openai`` client, against the offline engine on the CPU over
-the same weights, both in float32. On a GPU that is the Triton GEMMs, the int8 head and
-embedding on the device, CUDA graphs and async scheduling against tidal's CPU kernels. Where
+the same weights, both in float32, the twin on torch's paths (each weight dequantized, then
+plain float32 maths). On a GPU that is the Triton GEMMs, the int8 head and embedding on the
+device, CUDA graphs and async scheduling against that; on the CPU, tidal's kernels. Where
 the texts part, the CPU twin's two best tokens there must be a near tie: float32 sums taken in
 another order may flip those, and nothing else.
 """
@@ -33,7 +34,7 @@ NEAR_TIE = 0.02  # nats between the twin's two best tokens where a flip is allow
 
 
 def _twin(model: str, **engine_args: object) -> tuple[list, object]:
-    llm = LLM(model, device="cpu", dtype="float32", **engine_args)
+    llm = LLM(model, device="cpu", dtype="float32", cpu_kernels="off", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     return outs, llm.tokenizer
