@@ -1,0 +1,753 @@
+"""One prepared GPU check: what a lent GPU machine should tell us, in one Markdown file.
+
+On a bare, offline GPU machine (tidal's packages already on ``PYTHONPATH``: it installs
+nothing) it runs, in under eight minutes, each step in a child process with its own time
+limit, so a hung step is killed, recorded as a failure, and the next one still runs:
+
+1. ``packages``: every package of ``bench/gpu_packages.txt`` imports; a required one missing
+   stops the check here;
+2. ``suite``: the GPU test suite, ``TIDAL_TEST_DEVICE=cuda pytest -m gpu`` on 8 xdist workers;
+3. ``roofline``: ``bench.decode_roofline`` on a reduced sweep (step, forward and roofline ms);
+4. ``profile``: ``bench.kernel_profile``, the kernels of one eager decode step;
+5. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
+   asked for greedy completions with the official ``openai`` client, against the same prompts
+   on the CPU (``core.LLM``).
+
+The report, ``bench/results/gpu_check-<gpu>.md`` (and ``$OUT/gpu_check.md`` where ``OUT`` is
+set), is rewritten after every step, so a run killed midway still leaves what it measured. The
+suite's whole log goes to ``$OUT/gpu_suite.log``, each other step's to
+``$OUT/gpu_check-<step>.log`` (a temporary directory without ``OUT``).
+
+    python -m bench.gpu_check --commit SHA               # the whole check on a GPU machine
+    python -m bench.gpu_check --packages                  # the wheels to carry, name==version
+    python -m bench.gpu_check --only served --served int4
+    python -m bench.gpu_check --device cpu --skip suite   # a rehearsal on the CPU (tiny models)
+
+The orchestrating process never initializes CUDA: the header (GPU, driver, versions) comes
+from a child too, so a machine whose CUDA hangs still gets its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import import_module, metadata
+from pathlib import Path
+from typing import Any
+
+from bench.processes import ROOT, LaunchedServer, stop_process_group
+
+PACKAGES_FILE = Path(__file__).with_name("gpu_packages.txt")
+RESULTS_DIR = ROOT / "bench" / "results"
+STEPS = ("packages", "suite", "roofline", "profile", "served")
+BUDGET_S = 470.0  # the whole check, header included: under eight minutes
+# Each step's own time limit, and the least a later step keeps back from the ones before it.
+LIMITS_S = {"header": 60, "packages": 90, "suite": 300, "roofline": 150, "profile": 120,
+            "served": 150}
+RESERVES_S = {"header": 20, "packages": 20, "suite": 60, "roofline": 75, "profile": 45,
+              "served": 60}
+MIN_LIMIT_S = 5.0  # with less of the budget left, no step is started
+SUITE_ARGS = ["-m", "gpu", "-rfEs", "-q", "-n", "8", "--dist", "loadfile",
+              "-p", "no:cacheprovider"]
+# About a minute on an H100 (two shapes' builds and graph captures, then 16 steps a batch).
+ROOFLINE_ARGS = ["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64", "--steps", "16"]
+PROFILE_ARGS = ["--shape", "llama-3.2-1b", "--batch", "1", "--batch", "64"]
+SERVED_PROMPTS = [
+    "ROMEO:\nBut soft, what light through yonder window breaks?",
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n",
+    "KING HENRY V:\nOnce more unto the breach, dear friends,",
+    "HAMLET:\nTo be, or not to be:",
+]
+SERVED_MAX_TOKENS = 32
+# The served engine kept small: fewer CUDA graphs to capture, a KV cache it cannot outgrow.
+SERVER_ARGS = ["--max-num-seqs", "8", "--kv-cache-memory", "256MiB", "--log-level", "warning"]
+
+
+# -- the package list -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    module: str  # what ``import`` names
+    preinstalled: bool = False  # on the GPU machine's image: checked, not carried
+    optional: bool = False  # missing: reported, the check goes on
+
+
+@dataclass
+class PackageStatus:
+    package: Package
+    found: str | None  # the installed version, None if its metadata is absent
+    error: str | None  # why it failed to import, None if it imported
+
+    @property
+    def missing(self) -> bool:
+        return self.error is not None
+
+    @property
+    def other_version(self) -> bool:
+        return not self.missing and self.found != self.package.version
+
+
+def parse_packages(text: str) -> list[Package]:
+    """``name==version [module] [(preinstalled)] [(optional)]`` lines; ``#`` starts a comment."""
+    packages = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        flags = {w for w in words[1:] if w.startswith("(")}
+        rest = [w for w in words[1:] if not w.startswith("(")]
+        name, sep, version = words[0].partition("==")
+        if not (sep and name and version) or len(rest) > 1 or \
+                flags - {"(preinstalled)", "(optional)"}:
+            raise ValueError(f"line {number}: expected 'name==version [module] [(flags)]': "
+                             f"{line!r}")
+        module = rest[0] if rest else name.lower().replace("-", "_")
+        packages.append(Package(name, version, module, "(preinstalled)" in flags,
+                                "(optional)" in flags))
+    return packages
+
+
+def read_packages(path: Path = PACKAGES_FILE) -> list[Package]:
+    return parse_packages(path.read_text())
+
+
+def check_packages(packages: list[Package]) -> list[PackageStatus]:
+    """Import each package; read its installed version from its metadata."""
+    statuses = []
+    for package in packages:
+        try:
+            found: str | None = metadata.version(package.name)
+        except metadata.PackageNotFoundError:
+            found = None
+        try:
+            import_module(package.module)
+            error = None
+        except Exception as exc:  # ImportError, or a broken build failing as it loads
+            error = f"{type(exc).__name__}: {exc}"
+        statuses.append(PackageStatus(package, found, error))
+    return statuses
+
+
+def carried_requirements(packages: list[Package], every: bool = False) -> list[str]:
+    """``name==version`` of the wheels to carry (``every``: the preinstalled ones too)."""
+    return [f"{p.name}=={p.version}" for p in packages if every or not p.preinstalled]
+
+
+# -- child processes --------------------------------------------------------------------------
+@dataclass
+class CommandRun:
+    returncode: int | None  # None when it was killed at its limit
+    wall_s: float
+    output: str
+    log: Path
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def run_command(cmd: list[str], limit_s: float, log: Path,
+                env: dict[str, str] | None = None) -> CommandRun:
+    """``cmd`` in a session of its own, output to ``log``; at ``limit_s`` its whole process
+    group (pytest's workers, a server it started) is stopped."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop_process_group(proc, 10)
+            code = None
+    return CommandRun(code, time.monotonic() - start, log.read_text(errors="replace"), log)
+
+
+def child_command(child: str, json_path: Path, *args: str) -> list[str]:
+    """This module in a child process doing one piece (``--child``), its result to JSON."""
+    return [sys.executable, "-m", "bench.gpu_check", "--child", child, "--json",
+            str(json_path), *args]
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- the header -------------------------------------------------------------------------------
+def nvidia_smi() -> tuple[str, str] | None:
+    """(GPU name, driver version) of the first GPU from ``nvidia-smi``, if it answers."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    name, _, driver = done.stdout.splitlines()[0].partition(",") if done.stdout else ("", "", "")
+    return (name.strip(), driver.strip()) if name.strip() else None
+
+
+def collect_header(device: str) -> dict[str, Any]:
+    """What ran the check (in a child: it initializes CUDA): GPU, driver, CUDA, torch, Triton,
+    Python, the host CPU, the checkout's commit, and the results file's slug."""
+    import torch
+
+    from bench.common import machine
+    from bench.decode_timing import device_slug
+
+    info = machine()
+    smi = nvidia_smi()
+    driver = smi[1] if smi else None
+    if driver is None and torch.cuda.is_available():
+        try:
+            api = torch._C._cuda_getDriverVersion()  # no public torch call gives the driver's
+            driver = f"unknown (supports CUDA {api // 1000}.{api % 1000 // 10})"
+        except (AttributeError, RuntimeError):
+            driver = None
+    try:
+        triton = import_module("triton").__version__
+    except ImportError:
+        triton = "not installed"
+    return {"gpu": info["gpu"] or (smi[0] if smi else None), "driver": driver,
+            "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton,
+            "python": info["python"], "cpu": info["cpu_model"], "cpu_cores": info["cpu_cores"],
+            "platform": info["platform"], "commit": info["git_commit"],
+            "slug": device_slug(device)}
+
+
+def header_lines(header: dict[str, Any], commit: str | None, total_s: float | None,
+                 budget_s: float) -> list[str]:
+    gpu = header.get("gpu") or "none seen"
+    wall = (f"{total_s:.0f} s of a {budget_s:.0f} s budget" if total_s is not None
+            else "(running)")
+    return [
+        f"# GPU check: {gpu}", "",
+        f"- GPU: {gpu}; driver {header.get('driver') or 'unknown'}; "
+        f"CUDA {header.get('cuda') or 'none'}",
+        f"- torch {header.get('torch', '?')}, Triton {header.get('triton', '?')}, "
+        f"Python {header.get('python', '?')}",
+        f"- commit: {commit or header.get('commit') or 'unknown'}",
+        f"- date: {header.get('date', '?')}",
+        f"- host CPU: {header.get('cpu', '?')}, {header.get('cpu_cores', '?')} cores "
+        f"({header.get('platform', '?')})",
+        f"- total wall time: {wall}",
+    ]
+
+
+# -- steps and the report ---------------------------------------------------------------------
+@dataclass
+class StepResult:
+    name: str
+    status: str  # "passed", "failed", "timeout" or "skipped"
+    wall_s: float = 0.0
+    limit_s: float = 0.0
+    summary: str = ""  # one line, for the summary table
+    body: str = ""  # the step's Markdown section
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Check:
+    """One run of the check: its settings, where its logs go, and the results so far."""
+
+    args: argparse.Namespace
+    logs: Path
+    header: dict[str, Any] = field(default_factory=dict)
+    results: list[StepResult] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.args.device.startswith("cuda")
+
+    def log(self, name: str) -> Path:
+        return self.logs / ("gpu_suite.log" if name == "suite" else f"gpu_check-{name}.log")
+
+    def remaining_s(self) -> float:
+        return self.args.budget - (time.monotonic() - self.started)
+
+    def child_env(self) -> dict[str, str]:
+        """A CPU rehearsal keeps torch's own CPU ops: no C++ kernel build, no timing of them."""
+        return {} if self.on_gpu else {"TIDAL_CPU_KERNELS": "off"}
+
+
+def report_path(out_dir: Path, slug: str) -> Path:
+    return out_dir / f"gpu_check-{slug}.md"
+
+
+def render_report(check: Check, done: bool = False) -> str:
+    total = time.monotonic() - check.started if done else None
+    lines = header_lines(check.header, check.args.commit, total, check.args.budget)
+    lines += ["", "| step | result | wall s | limit s | summary |", "|---|---|---:|---:|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.wall_s:.1f} | {r.limit_s:.0f} | "
+              f"{r.summary.replace('|', '/')} |" for r in check.results]
+    for r in check.results:
+        lines += ["", f"## {r.name}: {r.status} ({r.wall_s:.1f} s)", "", r.summary]
+        if r.body:
+            lines += ["", r.body.rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(check: Check, done: bool = False) -> list[Path]:
+    """The report to the results directory, and to ``$OUT/gpu_check.md`` where OUT is set."""
+    text = render_report(check, done)
+    paths = [report_path(Path(check.args.out_dir), check.header.get("slug") or "unknown-gpu")]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / "gpu_check.md")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return paths
+
+
+def failed_run(name: str, run: CommandRun, limit_s: float, what: str) -> StepResult:
+    """A child that timed out, or exited non-zero: the tail of its log."""
+    tail = "\n".join(run.output.rstrip().splitlines()[-25:])
+    status, summary = (("timeout", f"killed at its {limit_s:.0f} s limit") if run.timed_out
+                       else ("failed", f"{what} exited with {run.returncode}"))
+    return StepResult(name, status, run.wall_s, limit_s, f"{summary} (log: {run.log})",
+                      f"```\n{tail}\n```" if tail else "")
+
+
+# -- 1. packages ------------------------------------------------------------------------------
+def package_table(statuses: list[dict[str, Any]]) -> str:
+    rows = [s for s in statuses if s["error"] or s["found"] != s["package"]["version"]]
+    if not rows:
+        return "Every package imports, at the listed version."
+    lines = ["| package | listed | found | |", "|---|---|---|---|"]
+    for s in rows:
+        p = s["package"]
+        kind = "optional" if p["optional"] else "required"
+        note = f"missing ({kind}): {s['error']}" if s["error"] else "other version"
+        lines.append(f"| {p['name']} | {p['version']} | {s['found'] or '-'} | "
+                     f"{note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def step_packages(check: Check, limit_s: float) -> StepResult:
+    out = check.logs / "packages.json"
+    run = run_command(child_command("packages", out), limit_s, check.log("packages"))
+    statuses = read_json(out)
+    if statuses is None:
+        return failed_run("packages", run, limit_s, "the package check")
+    missing = [s["package"]["name"] for s in statuses
+               if s["error"] and not s["package"]["optional"]]
+    optional = [s["package"]["name"] for s in statuses
+                if s["error"] and s["package"]["optional"]]
+    other = sum(1 for s in statuses if not s["error"] and s["found"] != s["package"]["version"])
+    summary = (f"{len(statuses)} listed: {len(missing)} required missing"
+               f"{' (' + ', '.join(missing) + ')' if missing else ''}, {len(optional)} optional "
+               f"missing{' (' + ', '.join(optional) + ')' if optional else ''}, {other} at "
+               "another version")
+    return StepResult("packages", "failed" if missing else "passed", run.wall_s, limit_s,
+                      summary, package_table(statuses), {"missing": missing})
+
+
+# -- 2. the GPU test suite --------------------------------------------------------------------
+COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
+SUMMARY_PREFIXES = ("FAILED", "ERROR", "SKIPPED", "XPASS", "XFAIL")
+
+
+@dataclass
+class SuiteOutcome:
+    counts: dict[str, int]
+    failures: list[str]  # FAILED and ERROR lines of the short summary
+    skips: list[str]  # SKIPPED lines: their count, place and reason
+    final_line: str
+
+
+def parse_pytest(output: str) -> SuiteOutcome:
+    """Counts and short-summary lines from pytest's ``-q -rfEs`` output."""
+    lines = output.splitlines()
+    final = next((ln.strip("= ") for ln in reversed(lines)
+                  if re.search(r"\bin [\d.]+s\b", ln) and (COUNT.search(ln) or "no tests" in ln)),
+                 "")
+    counts: dict[str, int] = {}
+    for number, word in COUNT.findall(final):
+        word = "errors" if word.startswith("error") else word
+        counts[word] = counts.get(word, 0) + int(number)
+    summary = [ln for ln in lines if ln.startswith(SUMMARY_PREFIXES)]
+    return SuiteOutcome(counts, [ln for ln in summary if ln.startswith(("FAILED", "ERROR"))],
+                        [ln for ln in summary if ln.startswith("SKIPPED")], final)
+
+
+def suite_body(outcome: SuiteOutcome) -> str:
+    parts = []
+    if outcome.failures:
+        parts += ["Failures:", "", "```", *outcome.failures, "```"]
+    if outcome.skips:
+        parts += ["", "Skipped:", "", "```", *outcome.skips, "```"]
+    return "\n".join(parts)
+
+
+def step_suite(check: Check, limit_s: float) -> StepResult:
+    cmd = [sys.executable, "-m", "pytest", *SUITE_ARGS, *shlex.split(check.args.suite_args)]
+    run = run_command(cmd, limit_s, check.log("suite"), {"TIDAL_TEST_DEVICE": check.args.device})
+    outcome = parse_pytest(run.output)
+    counts = ", ".join(f"{n} {w}" for w, n in outcome.counts.items()) or "no counts"
+    if run.timed_out:
+        status, how = "timeout", f"killed at its {limit_s:.0f} s limit"
+    else:
+        status = "passed" if run.returncode == 0 else "failed"
+        how = f"pytest exited with {run.returncode}"
+    summary = f"{counts} ({how}; `{shlex.join(['python', *cmd[1:]])}`; log: {run.log})"
+    body = suite_body(outcome)
+    if status != "passed" and not outcome.failures:  # a crash or a hang: show where it was
+        body += "\n\n```\n" + "\n".join(run.output.rstrip().splitlines()[-25:]) + "\n```"
+    return StepResult("suite", status, run.wall_s, limit_s, summary, body.strip(),
+                      {"counts": outcome.counts})
+
+
+# -- 3. the roofline table ---------------------------------------------------------------------
+def roofline_table(result: dict[str, Any]) -> str:
+    bandwidth = result.get("copy_bandwidth_bytes_per_s", 0) / 1e9
+    lines = [f"Copy bandwidth {bandwidth:.0f} GB/s.", "",
+             "| shape | batch | context | step ms | forward ms | roofline ms | step / roofline "
+             "| forward / roofline |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape, entry in result.get("shapes", {}).items():
+        for r in entry["rows"]:
+            lines.append(f"| {shape} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
+                         f"{r['forward_ms']:.3f} | {r['roofline_ms']:.3f} | "
+                         f"{r['step_over_roofline']:.2f}x | {r['forward_over_roofline']:.2f}x |")
+    return "\n".join(lines)
+
+
+def step_roofline(check: Check, limit_s: float) -> StepResult:
+    """``bench.decode_roofline`` on a reduced sweep. It writes its JSON among the committed
+    results; the full sweep's file there is put back afterwards, and this run's copied to OUT."""
+    args = shlex.split(check.args.roofline_args) if check.args.roofline_args else ROOFLINE_ARGS
+    cmd = [sys.executable, "-m", "bench.decode_roofline", *args, "--device", check.args.device,
+           *([] if check.on_gpu else ["--tiny"])]
+    before = {p: p.read_bytes() for p in RESULTS_DIR.glob("decode_roofline-*.json")}
+    run = run_command(cmd, limit_s, check.log("roofline"), check.child_env())
+    wrote = re.findall(r"^wrote (.+\.json)$", run.output, re.M)
+    result = read_json(Path(wrote[-1])) if wrote and run.returncode == 0 else None
+    for path in RESULTS_DIR.glob("decode_roofline-*.json"):
+        if path in before:
+            path.write_bytes(before[path])
+        else:
+            path.unlink()
+    if result is None:
+        return failed_run("roofline", run, limit_s, "bench.decode_roofline")
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "gpu_check-roofline.json").write_text(json.dumps(result))
+    rows = [r for entry in result["shapes"].values() for r in entry["rows"]]
+    worst = max(r["step_over_roofline"] for r in rows)
+    return StepResult("roofline", "passed", run.wall_s, limit_s,
+                      f"{len(rows)} rows (`{shlex.join(args)}`); step at most {worst:.1f}x "
+                      "its roofline", roofline_table(result), {"shapes": result["shapes"]})
+
+
+# -- 4. the kernel profile ---------------------------------------------------------------------
+def step_profile(check: Check, limit_s: float) -> StepResult:
+    out = Path(os.environ.get("OUT") or check.logs) / "gpu_check-profile.json"
+    args = shlex.split(check.args.profile_args) if check.args.profile_args else PROFILE_ARGS
+    cmd = [sys.executable, "-m", "bench.kernel_profile", *args, "--device", check.args.device,
+           "--json", str(out), *([] if check.on_gpu else ["--tiny", "--cpu-kernels", "off"])]
+    run = run_command(cmd, limit_s, check.log("profile"), check.child_env())
+    result = read_json(out) if run.returncode == 0 else None
+    if result is None:
+        return failed_run("profile", run, limit_s, "bench.kernel_profile")
+    from bench.kernel_profile import markdown
+
+    if check.on_gpu and not all(b["kernels"] for b in result["batches"]):
+        return StepResult("profile", "failed", run.wall_s, limit_s, "the profiler recorded no "
+                          "CUDA kernels (is CUPTI usable here?)", markdown(result), result)
+    summary = "; ".join(f"batch {b['batch']}: {b['kernels']} {result['unit']}s, "
+                        f"{b['kernel_us']:.0f} of {b['profiled_wall_us']:.0f} us busy"
+                        for b in result["batches"])
+    return StepResult("profile", "passed", run.wall_s, limit_s, summary, markdown(result),
+                      result)
+
+
+# -- 5. the served quantized model against its CPU twin ---------------------------------------
+@dataclass
+class Completion:
+    text: str
+    tokens: list[str]  # each token's text, as the completions API's logprobs give them
+    logprobs: list[float]
+
+
+@dataclass
+class Comparison:
+    prompt: str
+    served: Completion
+    twin: Completion
+    same_text: bool
+    chars: int  # leading characters alike
+    tokens: int  # leading tokens alike
+    max_logprob_diff: float  # over the leading tokens alike
+
+
+def leading_match(a: list[Any] | str, b: list[Any] | str) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def compare(prompt: str, served: Completion, twin: Completion) -> Comparison:
+    tokens = leading_match(served.tokens, twin.tokens)
+    diffs = [abs(a - b) for a, b in zip(served.logprobs[:tokens], twin.logprobs[:tokens])]
+    return Comparison(prompt, served, twin, served.text == twin.text,
+                      leading_match(served.text, twin.text), tokens, max(diffs, default=0.0))
+
+
+class EmbeddedServer(LaunchedServer):
+    """``python -m app serve`` with no ``--model``: the embedded model, as a user starts it."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "app", "serve", "--port", str(self.port),
+                *self.server_args]
+
+
+def twin_completions(quantization: str, prompts: list[str], max_tokens: int) -> list[Completion]:
+    """The same greedy completions from the offline engine on the CPU. Its kernels are torch's
+    (``cpu_kernels="off"``): no C++ build and no timing at load, and float math like the GPU's
+    kernels, where tidal's integer dot kernel would round the activations to int8 first."""
+    from core import LLM, SamplingParams
+
+    llm = LLM(quantization=quantization, device="cpu", cpu_kernels="off")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    completions = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        choice = out.outputs[0]
+        completions.append(Completion(
+            choice.text, [llm.tokenizer.decode([t], skip_special_tokens=False)
+                          for t in choice.token_ids],
+            [entry[t] for t, entry in zip(choice.token_ids, choice.logprobs or [])]))
+    return completions
+
+
+def served_completions(url: str, prompts: list[str], max_tokens: int) -> list[Completion]:
+    import openai
+
+    from core.config import DEFAULT_MODEL_NAME
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    completions = []
+    for prompt in prompts:
+        choice = client.completions.create(
+            model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+        completions.append(Completion(choice.text, list(choice.logprobs.tokens),
+                                      list(choice.logprobs.token_logprobs)))
+    return completions
+
+
+def served_run(quantization: str, device: str, server_args: list[str],
+               prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """Start the server, compute the CPU twin's completions while it loads, then ask it."""
+    start = time.monotonic()
+    server = EmbeddedServer("", ["--device", device, "--quantization", quantization,
+                                 *server_args])
+    try:
+        twin = twin_completions(quantization, prompts, max_tokens)
+        twin_s = time.monotonic() - start
+        server.wait_ready(timeout=300)
+        ready_s = time.monotonic() - start
+        served = served_completions(server.url, prompts, max_tokens)
+    finally:
+        server.stop()
+    return {"quantization": quantization, "server_args": server_args, "ready_s": ready_s,
+            "twin_s": twin_s,
+            "comparisons": [asdict(compare(p, s, t))
+                            for p, s, t in zip(prompts, served, twin)]}
+
+
+def run_served(device: str, quantizations: list[str], dtype: str, out: Path) -> None:
+    """Each quantization in turn, the JSON rewritten after each (a kill keeps the ones done)."""
+    server_args = [*SERVER_ARGS, "--dtype", dtype]
+    if not device.startswith("cuda"):
+        server_args += ["--cpu-kernels", "off"]
+    runs: list[dict[str, Any]] = []
+    for quantization in quantizations:
+        runs.append(served_run(quantization, device, server_args, SERVED_PROMPTS,
+                               SERVED_MAX_TOKENS))
+        out.write_text(json.dumps(runs, indent=2))
+
+
+def served_table(run: dict[str, Any]) -> str:
+    lines = [f"**{run['quantization']}** (`{' '.join(run['server_args'])}`; ready after "
+             f"{run['ready_s']:.0f} s, the CPU twin's {run['twin_s']:.0f} s among them): served "
+             "against the CPU twin (float32, torch's ops)", "",
+             "| prompt | same text | leading chars | leading tokens | max \\|Δ logprob\\| |",
+             "|---|---|---:|---:|---:|"]
+    for c in run["comparisons"]:
+        prompt = c["prompt"].replace("\n", " ").replace("|", "/")[:40]
+        lines.append(f"| {prompt} | {'yes' if c['same_text'] else 'no'} | "
+                     f"{c['chars']}/{len(c['twin']['text'])} | "
+                     f"{c['tokens']}/{len(c['twin']['tokens'])} | {c['max_logprob_diff']:.4f} |")
+    for c in run["comparisons"]:
+        if not c["same_text"]:
+            lines += ["", f"- `{c['prompt']!r}`: served `{c['served']['text']!r}`, CPU "
+                      f"`{c['twin']['text']!r}`"]
+    return "\n".join(lines)
+
+
+def step_served(check: Check, limit_s: float) -> StepResult:
+    out = check.logs / "served.json"
+    out.unlink(missing_ok=True)
+    run = run_command(child_command("served", out, "--device", check.args.device, "--served",
+                                    check.args.served, "--served-dtype",
+                                    check.args.served_dtype),
+                      limit_s, check.log("served"), check.child_env())
+    runs = read_json(out) or []
+    if not runs:
+        return failed_run("served", run, limit_s, "the served comparison")
+    same = "; ".join(f"{r['quantization']}: {sum(c['same_text'] for c in r['comparisons'])}/"
+                     f"{len(r['comparisons'])} texts alike" for r in runs)
+    body = "\n\n".join(served_table(r) for r in runs)
+    if run.returncode != 0:  # the first quantizations ran, a later one failed or hung
+        partial = failed_run("served", run, limit_s, "the served comparison")
+        return StepResult("served", partial.status, run.wall_s, limit_s,
+                          f"{same}; then {partial.summary}", f"{body}\n\n{partial.body}",
+                          {"runs": runs})
+    return StepResult("served", "passed", run.wall_s, limit_s, same, body, {"runs": runs})
+
+
+# -- running the steps ------------------------------------------------------------------------
+@dataclass
+class Step:
+    name: str
+    run: Callable[[Check, float], StepResult]
+
+
+STEP_FUNCTIONS: dict[str, Callable[[Check, float], StepResult]] = {
+    "packages": step_packages, "suite": step_suite, "roofline": step_roofline,
+    "profile": step_profile, "served": step_served}
+
+
+def step_limit(check: Check, name: str, later: list[str]) -> float:
+    """The step's own limit, cut to what the budget leaves once each later step keeps its
+    reserve back (never below this step's own reserve while the budget lasts)."""
+    remaining = check.remaining_s()
+    limits = {**LIMITS_S, **check.args.limit}
+    kept = sum(RESERVES_S.get(s, 0) for s in later)
+    return min(limits[name], max(remaining - kept, min(RESERVES_S.get(name, 0), remaining)))
+
+
+def run_header(check: Check) -> None:
+    out = check.logs / "header.json"
+    limit = step_limit(check, "header", [])
+    run = run_command(child_command("header", out, "--device", check.args.device), limit,
+                      check.log("header"))
+    header = read_json(out) or {"slug": "unknown-gpu" if check.on_gpu else "cpu",
+                                "error": f"the header child failed (log: {run.log})"}
+    smi = nvidia_smi() if header.get("gpu") is None else None
+    if smi:
+        header["gpu"], header["driver"] = smi
+    check.header = {**header, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def run_steps(check: Check, steps: list[Step]) -> list[StepResult]:
+    """Each step in turn under its limit, the report rewritten after each. A required package
+    missing, or the budget spent, leaves the later steps skipped."""
+    stop: str | None = None
+    for i, step in enumerate(steps):
+        limit = step_limit(check, step.name, [s.name for s in steps[i + 1:]])
+        if stop is None and check.remaining_s() < MIN_LIMIT_S:
+            stop = f"the {check.args.budget:.0f} s budget is spent"
+        if stop is not None:
+            result = StepResult(step.name, "skipped", summary=f"not run: {stop}")
+        else:
+            print(f"gpu_check: {step.name} (limit {limit:.0f} s)", flush=True)
+            result = step.run(check, limit)
+            if step.name == "packages" and result.data.get("missing"):
+                stop = "a required package is missing"
+        check.results.append(result)
+        print(f"gpu_check: {result.name} {result.status} in {result.wall_s:.1f} s: "
+              f"{result.summary}", flush=True)
+        write_report(check)
+    return check.results
+
+
+def selected_steps(args: argparse.Namespace) -> list[Step]:
+    names = [s for s in STEPS if (not args.only or s in args.only) and s not in args.skip]
+    return [Step(name, STEP_FUNCTIONS[name]) for name in names]
+
+
+def parse_limit(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    if name not in LIMITS_S or not seconds:
+        raise argparse.ArgumentTypeError(f"expected STEP=SECONDS, STEP one of {STEPS}: {text!r}")
+    return name, float(seconds)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--packages", nargs="?", const="carry", choices=["carry", "all"],
+                    help="print the packages' name==version lines and exit: the wheels to carry "
+                    "(default), or all of them with the preinstalled ones")
+    ap.add_argument("--skip", action="append", default=[], choices=STEPS, metavar="STEP",
+                    help=f"leave out a step, repeatable: {', '.join(STEPS)}")
+    ap.add_argument("--only", action="append", default=[], choices=STEPS, metavar="STEP",
+                    help="run only this step, repeatable")
+    ap.add_argument("--device", default="cuda", help="'cpu' rehearses the check on tiny models")
+    ap.add_argument("--commit", help="the commit checked (default: git rev-parse HEAD)")
+    ap.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the report goes")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
+    ap.add_argument("--limit", type=parse_limit, action="append", default=[],
+                    metavar="STEP=SECONDS", help="a step's own limit, repeatable "
+                    f"(defaults: {', '.join(f'{k} {v}' for k, v in LIMITS_S.items())})")
+    ap.add_argument("--suite-args", default="", help="more pytest arguments, one string")
+    ap.add_argument("--roofline-args", default="", help="bench.decode_roofline's arguments, "
+                    f"one string (default: {shlex.join(ROOFLINE_ARGS)})")
+    ap.add_argument("--profile-args", default="", help="bench.kernel_profile's arguments, one "
+                    f"string (default: {shlex.join(PROFILE_ARGS)})")
+    ap.add_argument("--served", default="int4,int8", help="quantizations served, in turn")
+    ap.add_argument("--served-dtype", default="float32",
+                    help="the served model's --dtype, the CPU twin's float32 by default")
+    ap.add_argument("--child", choices=["header", "packages", "served"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.limit = dict(args.limit)
+    return args
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """One piece of the check in this (child) process, its result to ``--json``."""
+    if args.child == "header":
+        args.json.write_text(json.dumps(collect_header(args.device)))
+    elif args.child == "packages":
+        statuses = check_packages(read_packages())
+        args.json.write_text(json.dumps([asdict(s) for s in statuses]))
+    else:
+        run_served(args.device, args.served.split(","), args.served_dtype, args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.packages:
+        print("\n".join(carried_requirements(read_packages(), args.packages == "all")))
+        return 0
+    if args.child:
+        run_child(args)
+        return 0
+    logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_check-"))
+    check = Check(args, logs)
+    run_header(check)
+    write_report(check)
+    run_steps(check, selected_steps(args))
+    paths = write_report(check, done=True)
+    print(f"gpu_check: done in {time.monotonic() - check.started:.0f} s; wrote "
+          f"{', '.join(map(str, paths))}")
+    return 0 if all(r.status == "passed" for r in check.results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
