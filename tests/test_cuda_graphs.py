@@ -21,6 +21,10 @@ from core import LLM, SamplingParams  # noqa: E402
 from gpu.attention import AttentionMetadata  # noqa: E402
 from gpu.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
 from gpu.random_model import build_model_dir  # noqa: E402
+from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = KERNEL_TEST_DEVICE
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -68,21 +72,22 @@ def _echo(input_ids: torch.Tensor, positions: torch.Tensor,
 
 def _decode_meta(seq_lens: list[int], slots: list[int], table: list[list[int]]):
     n = len(seq_lens)
-    return AttentionMetadata(
-        num_actual_tokens=n, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(table, dtype=torch.int32), slot_mapping=torch.tensor(slots),
-        max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(n + 1)),
-        seq_lens_cpu=seq_lens)
+    with torch.device(DEVICE):
+        return AttentionMetadata(
+            num_actual_tokens=n, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.tensor(table, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+            max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(n + 1)),
+            seq_lens_cpu=seq_lens)
 
 
 def test_run_pads_to_the_next_size_with_empty_requests():
-    graphs = EmulatedGraphRunner(_echo, 8, 4, max_model_len=100, device="cpu")
+    graphs = EmulatedGraphRunner(_echo, 8, 4, max_model_len=100, device=DEVICE)
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
     big = _decode_meta([9, 9, 9, 9, 9], [1, 2, 3, 4, 5], [[1, 2]] * 5)
     meta = _decode_meta([5, 40, 17], [4, 39, 16], [[3, 1], [2, 4], [5, 6]])
-    with torch.inference_mode():  # as the model runner calls it
+    with torch.inference_mode(), torch.device(DEVICE):  # as the model runner calls it
         graphs.run(torch.arange(5), torch.arange(5), big)  # leaves rows 3 and 4 behind
         out = graphs.run(torch.tensor([11, 12, 13]), torch.tensor([4, 39, 16]), meta)
     assert out.tolist() == [[11, 4, 5, 4, 4], [12, 39, 40, 39, 6], [13, 16, 17, 16, 11]]
@@ -100,8 +105,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
     prompts = [[7 + i for i in range(n)] for n in (3, 17, 33, 50)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (3, 5, 7, 9)]
-    on = {"device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": "float32",
-          "kv_cache_memory": 64 << 20}
+    on = {"device": DEVICE, "dtype": "float32", "kv_cache_memory": 64 << 20}
     expected = LLM(path, attention_backend="torch", **on).generate(prompts, params,
                                                                    use_tqdm=False)
     llm = LLM(path, attention_backend="triton", max_num_seqs=8, enforce_eager=True, **on)
@@ -116,7 +120,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
     assert replays[4] >= 2 and replays[2] >= 1 and replays[1] >= 1 and replays[8] == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs")
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="captures real CUDA graphs")
 def test_real_cuda_graphs_give_the_eager_tokens(tmp_path):
     """On a GPU: the engine's captured decode graphs replay to the tokens and logprobs of an
     eager run, across batch sizes that shrink as requests finish."""
@@ -124,7 +128,7 @@ def test_real_cuda_graphs_give_the_eager_tokens(tmp_path):
     prompts = [[7 + i for i in range(n)] for n in (3, 17, 33, 50, 90)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2)
               for m in (3, 9, 17, 25, 40)]
-    common = {"device": "cuda", "dtype": "float32", "kv_cache_memory": 64 << 20}
+    common = {"device": DEVICE, "dtype": "float32", "kv_cache_memory": 64 << 20}
     expected = LLM(path, enforce_eager=True, **common).generate(prompts, params,
                                                                 use_tqdm=False)
     llm = LLM(path, max_num_seqs=8, **common)

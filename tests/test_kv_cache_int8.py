@@ -1,7 +1,12 @@
 """The KV cache in 8 bits (``--kv-cache-dtype int8``, ``gpu/attention/kv_quant.py``): the cache
 writes give the torch reference's int8 values and scales, and every attention backend over an
 int8 cache gives what the reference attention gives over the dequantized cache, on ragged paged
-layouts with GQA, decode rows and prefill chunks over cached context."""
+layouts with GQA, decode rows and prefill chunks over cached context.
+
+The ``torch`` backend, the Triton kernels and the engine run on ``TIDAL_TEST_DEVICE`` (the GPU
+suite, ``-m gpu``); the C++ CPU kernels' tests are ``cpu_only``. Without a GPU the Triton
+kernels run in Triton's interpreter on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from gpu.attention.metadata import AttentionMetadata  # noqa: E402
 from gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
 from gpu.attention.torch_ref import reference_paged_attention  # noqa: E402
 from gpu.cpu.kernels import load_cpu_kernels  # noqa: E402
+from tests.device import KERNEL_TEST_DEVICE, TEST_DEVICE, on_test_device  # noqa: E402
+
+pytestmark = pytest.mark.gpu
 
 KV_HEADS = 2
 # (block_size, head_dim, GQA group): the kernels' head sizes, a block wider and narrower than a
@@ -29,11 +37,22 @@ LAYOUTS = [(16, 64, 2), (16, 32, 1), (32, 80, 4), (8, 128, 8), (16, 96, 3), (16,
 # float32 rounding of sums taken in another order: up to 4.3e-5 over 15 seeds (prefill, head
 # 256, keys scaled up to 4x). A wrong scale or element would be off by the values' size, ~1.
 ATOL = 1e-4
-needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+# The C++ kernels are built (not merely looked up) on the CPU alone: the GPU suite skips their
+# tests (cpu_only) and never compiles them.
+needs_kernels = pytest.mark.skipif(TEST_DEVICE == "cpu" and load_cpu_kernels() is None,
+                                   reason="needs the C++ kernels")
+cpu_only = pytest.mark.cpu_only(reason="tests the C++ CPU kernels (the GPU runs the torch and "
+                                         "Triton cases)")
+# The torch backend's tests run on TEST_DEVICE beside the C++ kernels' (CPU only).
+BACKENDS = [pytest.param("cpu", marks=cpu_only), "torch"]
+TRITON_DEVICE = KERNEL_TEST_DEVICE
+# The engine's own attention kernels on TEST_DEVICE, which the engine tests hold to torch's
+KERNEL_BACKEND = "cpu" if TEST_DEVICE == "cpu" else "triton"
 
 
 def test_each_head_vector_rounds_to_within_half_a_step():
-    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    with torch.device(TEST_DEVICE):
+        x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
     x[0, 1] = 0  # an all-zero head: scale 0, values 0
     q, scale = quantize_heads(x)
     assert q.dtype == torch.int8 and scale.shape == (50, 3)
@@ -43,20 +62,23 @@ def test_each_head_vector_rounds_to_within_half_a_step():
     assert bool((err <= scale[..., None] * 0.5 + 1e-6).all())
 
 
-def _slots(n: int, num_slots: int, seed: int) -> torch.Tensor:
+def _slots(n: int, num_slots: int, seed: int, device: str = "cpu") -> torch.Tensor:
     """Distinct slots for n rows, the last two padding (-1)."""
     gen = torch.Generator().manual_seed(seed)
     slots = torch.randperm(num_slots, generator=gen)[:n]
     slots[-2:] = -1
-    return slots
+    return slots.to(device)
 
 
-def _empty_int8(blocks: int, block_size: int, dim: int) -> list[torch.Tensor]:
+def _empty_int8(blocks: int, block_size: int, dim: int,
+                device: str = "cpu") -> list[torch.Tensor]:
     shape = (blocks, block_size, KV_HEADS, dim)
-    return [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
-            torch.zeros(shape[:3]), torch.zeros(shape[:3])]
+    with torch.device(device):
+        return [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+                torch.zeros(shape[:3]), torch.zeros(shape[:3])]
 
 
+@cpu_only
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [32, 64, 128])
@@ -82,25 +104,26 @@ def _int8_caches(meta: AttentionMetadata, block_size: int,
                  dim: int) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """An int8 cache of random keys and values (heads of varied magnitude), and its
     dequantized float32 copy."""
-    k, v = random_caches(meta, block_size, KV_HEADS, dim)
-    k *= torch.rand(k.shape[:3])[..., None] * 4
+    k, v = random_caches(meta, block_size, KV_HEADS, dim)  # on meta's device
+    k *= torch.rand(k.shape[:3], device=k.device)[..., None] * 4
     caches = list(quantize_caches(k, v))
     return caches, (dequantize(caches[0], caches[2]), dequantize(caches[1], caches[3]))
 
 
 def _attend(backend_name: str, context: list[int], query_lens: list[int], block_size: int,
             dim: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    meta = paged_layout(context, query_lens, block_size, seed=len(context) + dim)
+    device = "cpu" if backend_name == "cpu" else TEST_DEVICE
+    meta = paged_layout(context, query_lens, block_size, seed=len(context) + dim, device=device)
     torch.manual_seed(block_size + dim + group)
     caches, dequantized = _int8_caches(meta, block_size, dim)
-    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim).to(dtype)
-    backend = get_attention_backend(backend_name, "cpu")
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim, device=device).to(dtype)
+    backend = get_attention_backend(backend_name, device)
     got = backend.forward(query, caches[0], caches[1], meta, 0.17, caches[2], caches[3])
     ref = reference_paged_attention(query.float(), *dequantized, meta, 0.17)
     return got, ref
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,dim,group", LAYOUTS)
 def test_decode_over_int8_is_attention_over_the_dequantized_cache(backend, block_size, dim,
                                                                    group):
@@ -110,6 +133,7 @@ def test_decode_over_int8_is_attention_over_the_dequantized_cache(backend, block
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.cpu_only(reason="the C++ kernels' split of a stream's KV heads over CPU threads")
 def test_a_single_stream_splits_its_kv_heads_over_the_threads():
     """One decode row with two threads: each takes one of the row's two KV heads, and its
     scales."""
@@ -122,7 +146,7 @@ def test_a_single_stream_splits_its_kv_heads_over_the_threads():
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_queries_over_int8(backend, dtype):
     """A bfloat16 or float16 model's queries over the int8 cache; the kernel computes in
@@ -132,7 +156,7 @@ def test_half_precision_queries_over_int8(backend, dtype):
     torch.testing.assert_close(got.float(), ref.to(dtype).float(), atol=3e-2, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,dim,group", LAYOUTS)
 def test_prefill_chunks_over_int8_match(backend, block_size, dim, group):
     """Chunks after cached context (prefix hits, earlier chunks), beside decode rows."""
@@ -142,6 +166,7 @@ def test_prefill_chunks_over_int8_match(backend, block_size, dim, group):
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+@cpu_only
 @needs_kernels
 def test_the_kernels_refuse_an_int8_cache_without_its_scales():
     meta = paged_layout([5], [1], 16, seed=0)
@@ -153,6 +178,7 @@ def test_the_kernels_refuse_an_int8_cache_without_its_scales():
                                             meta.block_table, meta.seq_lens, requests, rows, 0.1)
 
 
+@pytest.mark.cpu_only(reason="the C++ decode stack (decoder.cpp) is a CPU kernel")
 @needs_kernels
 def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
     """The C++ decode step (decoder.cpp) writes and reads the int8 cache as the Python model
@@ -186,11 +212,12 @@ def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
             assert torch.equal(a, b)
 
 
-# -- Triton, in its interpreter on the CPU ------------------------------------------------
+# -- Triton: on TRITON_DEVICE, in its interpreter on the CPU ------------------------------
 @pytest.fixture
 def triton_kernels():
     """The Triton kernels, interpreted without CUDA (set at the top of this file: Triton reads
-    the setting when triton.language is first imported, which something else may do first)."""
+    the setting when triton.language is first imported, which something else may do first);
+    compiled on a GPU."""
     pytest.importorskip("triton")
     from gpu.attention import triton_kernels
 
@@ -201,9 +228,12 @@ def triton_kernels():
 def test_triton_cache_write_is_the_reference_within_a_tie(triton_kernels, dim):
     """The same scales; values equal but where x / scale falls on a tie, which Triton rounds
     away from zero and the reference to even (at most one step apart)."""
+    # drawn on the CPU on every device: the same values, so the same (few) ties
     key, value = torch.randn(12, KV_HEADS, dim) * 3, torch.randn(12, KV_HEADS, dim)
-    slots = _slots(10, 4 * 16, seed=dim)
-    ours, ref = _empty_int8(4, 16, dim), _empty_int8(4, 16, dim)
+    key, value = key.to(TRITON_DEVICE), value.to(TRITON_DEVICE)
+    slots = _slots(10, 4 * 16, seed=dim, device=TRITON_DEVICE)
+    ours = _empty_int8(4, 16, dim, TRITON_DEVICE)
+    ref = _empty_int8(4, 16, dim, TRITON_DEVICE)
     triton_kernels.write_kv(key, value, *ours[:2], slots, *ours[2:])
     write_quantized(key, value, *ref[:2], *ref[2:], slots)
     for a, b in zip(ours[2:], ref[2:]):
@@ -220,9 +250,9 @@ def test_triton_attention_over_int8_matches(triton_kernels, block_size, dim, gro
 
     context = [1, block_size - 1, block_size + 1, 37]
     lens = [1] * 4 if query_lens == "decode" else [1, 9, 1, 20]
-    meta = paged_layout(context, lens, block_size, seed=dim)
+    meta = paged_layout(context, lens, block_size, seed=dim, device=TRITON_DEVICE)
     caches, dequantized = _int8_caches(meta, block_size, dim)
-    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim, device=TRITON_DEVICE)
     got = TritonAttentionBackend().forward(query, caches[0], caches[1], meta, 0.2, *caches[2:])
     ref = reference_paged_attention(query, *dequantized, meta, 0.2)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
@@ -260,31 +290,37 @@ def test_the_same_memory_holds_more_blocks(llama_dir, dtype, ratio):
     from core import LLM
 
     memory = 4 << 20
-    blocks = {kv: LLM(llama_dir, dtype=dtype, kv_cache_dtype=kv,
-                      kv_cache_memory=memory).engine.kv.num_blocks for kv in ("auto", "int8")}
+    blocks = {kv: LLM(llama_dir, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=memory,
+                      device=TEST_DEVICE).engine.kv.num_blocks for kv in ("auto", "int8")}
     per_token = 2 * 2 * 2 * (32 + 4)  # K and V, 2 layers, 2 KV heads, int8 elements + scale
     assert blocks["int8"] == memory // (16 * per_token)
     assert blocks["int8"] / blocks["auto"] == pytest.approx(ratio, rel=0.01)
 
 
 def test_engine_over_int8_gives_the_torch_reference_tokens(llama_dir):
-    """The C++ kernels against the torch backend over the same int8 cache, through prefix
-    caching, chunked prefill (24-token steps), preemption (a cache of 24 blocks for about
-    45 blocks of requests) and async scheduling: the same greedy tokens."""
+    """The device's kernels (the C++ kernels on the CPU, Triton on a GPU) against the torch
+    backend over the same int8 cache, through prefix caching, chunked prefill (24-token
+    steps), preemption (a cache of 24 blocks for about 45 blocks of requests) and the
+    scheduling the device does not default to (async on the CPU, sync on a GPU): the same
+    greedy tokens. In float32 (the CPU's default) on every device."""
     from core import LLM
 
     prompts = _prompts(0)
     common = dict(kv_cache_dtype="int8", kv_cache_memory=24 * 16 * 288,
-                  max_num_batched_tokens=24, max_model_len=256)
+                  max_num_batched_tokens=24, max_model_len=256, dtype="float32",
+                  device=TEST_DEVICE)
+    other = ("async", True) if TEST_DEVICE == "cpu" else ("sync", False)
     runs = {}
-    for name, extra in (("torch", dict(attention_backend="torch")), ("cpu", {}),
-                        ("async", dict(async_scheduling=True))):
+    for name, extra in (("torch", dict(attention_backend="torch")),
+                        (KERNEL_BACKEND, dict(attention_backend=KERNEL_BACKEND)),
+                        (other[0], dict(attention_backend=KERNEL_BACKEND,
+                                        async_scheduling=other[1]))):
         llm = LLM(llama_dir, **common, **extra)
         runs[name] = [o.token_ids for o in _greedy(llm, prompts, 40)]
         assert llm.engine.kv.num_blocks == 24 and llm.engine.kv.pool.num_free_blocks == 24
         assert llm.engine.scheduler.num_preemptions > 0
-    assert runs["cpu"] == runs["torch"]
-    assert runs["async"] == runs["torch"]
+    assert runs[KERNEL_BACKEND] == runs["torch"]
+    assert runs[other[0]] == runs["torch"]
 
 
 DEFAULT_PROMPTS = ["To be, or not to be", "ROMEO:", "First Citizen:\nBefore we proceed",
@@ -293,13 +329,16 @@ DEFAULT_PROMPTS = ["To be, or not to be", "ROMEO:", "First Citizen:\nBefore we p
 # On the embedded model (8 prompts x 64 tokens, AVX-512 host) the int8 cache's top logprobs
 # were within 0.026 nats of the float cache's (median 0.0014) wherever the two had produced
 # the same tokens so far, and 7 of 8 replies were the same 64 tokens (the eighth from token 40).
+# Measured in float32, which the test runs in on every device (a GPU's default is bfloat16,
+# whose own rounding the bound was not set for).
 LOGPROB_BOUND = 0.05
 
 
 def test_embedded_model_keeps_its_greedy_tokens_and_logprobs():
     from core import LLM
 
-    outs = {kv: _greedy(LLM(kv_cache_dtype=kv), DEFAULT_PROMPTS, 64) for kv in ("auto", "int8")}
+    outs = {kv: _greedy(LLM(**on_test_device(kv_cache_dtype=kv, dtype="float32")),
+                        DEFAULT_PROMPTS, 64) for kv in ("auto", "int8")}
     diffs = []
     for ref, got in zip(outs["auto"], outs["int8"]):
         same = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b),

@@ -4,7 +4,8 @@ offsets, 4-bit in groups of 32, 64 and 128 with offsets, decode and prefill row 
 multiple of the tile, bias, float32, float16 and bfloat16 activations.
 
 Without CUDA they run in Triton's interpreter on small shapes; the kernel's compiled form is
-checked by lowering it to sm_90 cubins (no GPU needed).
+checked by lowering it to sm_90 cubins (no GPU needed). On a GPU (``TIDAL_TEST_DEVICE``, else
+CUDA where there is one) the kernel is compiled and run.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from gpu.quantization.linear import (  # noqa: E402
     candidate_methods,
 )
 from gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
+from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+
+pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parent.parent
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = KERNEL_TEST_DEVICE
 K, N = 256, 72  # N: two tiles and a part of 32, one and a part of 64
 ROWS = (1, 3, 16, 33, 130)
 # (absolute, relative) tolerance: float32 sums in another order; in 16 bits, the result's
@@ -255,6 +259,7 @@ def compile_for_hopper() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only(reason="the GPU compiles and runs the kernel itself")
 def test_kernel_compiles_for_hopper(tmp_path):
     """The compiled (not interpreted) kernel lowers to sm_90 cubins: Triton's type and shape
     checks and ptxas, with or without a GPU at hand. In a fresh process, since the
