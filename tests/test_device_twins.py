@@ -41,7 +41,9 @@ def _twin(model: str, **engine_args: object) -> tuple[list, object]:
 
 
 def _served(model: str, *args: str) -> list[str]:
-    with running_server(Path(model), "--dtype", "float32", *args) as server:
+    # four requests at most: as few CUDA graphs to capture as that needs
+    with running_server(Path(model), "--dtype", "float32", "--max-num-seqs", "4",
+                        *args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         name = client.models.list().data[0].id
         return [client.completions.create(model=name, prompt=p, max_tokens=TOKENS,
