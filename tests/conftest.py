@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -28,8 +30,6 @@ def pytest_collection_modifyitems(config, items):
 
     if TEST_DEVICE == "cpu":
         return
-    import pytest
-
     for item in items:
         marker = item.get_closest_marker("cpu_only")
         if marker is None:
@@ -48,3 +48,13 @@ def pytest_configure(config):
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"TIDAL_TEST_DEVICE={TEST_DEVICE}, but torch sees no GPU")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_mode_of_the_environment():
+    """Each test starts from the environment's CPU kernel mode: an engine built with
+    ``cpu_kernels=`` sets the whole process's (``gpu.cpu.selector.set_mode``)."""
+    yield
+    from gpu.cpu import selector
+
+    selector.set_mode(None)

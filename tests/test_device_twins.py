@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 
 from core import LLM, SamplingParams
 from core.config import DEFAULT_MODEL
-from gpu.cpu import selector
 from tests.gguf_writing import write_gguf
 from tests.live_server import running_server
 
@@ -35,13 +34,9 @@ NEAR_TIE = 0.02  # nats between the twin's two best tokens where a flip is allow
 
 
 def _twin(model: str, **engine_args: object) -> tuple[list, object]:
-    try:
-        llm = LLM(model, device="cpu", dtype="float32", cpu_kernels="off", **engine_args)
-        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
-                                logprobs=2)
-        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        selector.set_mode(None)  # the engine set the process's mode: the environment's again
+    llm = LLM(model, device="cpu", dtype="float32", cpu_kernels="off", **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     return outs, llm.tokenizer
 
 
