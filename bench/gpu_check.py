@@ -34,19 +34,20 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import import_module, metadata
 from pathlib import Path
 from typing import Any
 
-from bench.processes import ROOT, LaunchedServer, stop_process_group
+from bench.gpu_header import collect_header, header_lines, nvidia_smi
+from bench.gpu_packages import carried_requirements, check_packages, package_table, read_packages
+from bench.processes import ROOT, CommandRun, run_command
+from bench.pytest_summary import parse_pytest, suite_body
+from bench.served_twins import NEAR_TIE, run_served, served_table
 
-PACKAGES_FILE = Path(__file__).with_name("gpu_packages.txt")
 RESULTS_DIR = ROOT / "bench" / "results"
 STEPS = ("packages", "suite", "roofline", "profile", "served")
 BUDGET_S = 470.0  # the whole check, header included: under eight minutes
@@ -61,116 +62,6 @@ SUITE_ARGS = ["-m", "gpu", "-rfEs", "-q", "-n", "8", "--dist", "loadfile",
 # About a minute on an H100 (two shapes' builds and graph captures, then 16 steps a batch).
 ROOFLINE_ARGS = ["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64", "--steps", "16"]
 PROFILE_ARGS = ["--shape", "llama-3.2-1b", "--batch", "1", "--batch", "64"]
-SERVED_PROMPTS = [
-    "ROMEO:\nBut soft, what light through yonder window breaks?",
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n",
-    "KING HENRY V:\nOnce more unto the breach, dear friends,",
-    "HAMLET:\nTo be, or not to be:",
-]
-SERVED_MAX_TOKENS = 32
-# The served engine kept small: fewer CUDA graphs to capture, a KV cache it cannot outgrow.
-SERVER_ARGS = ["--max-num-seqs", "8", "--kv-cache-memory", "256MiB", "--log-level", "warning"]
-
-
-# -- the package list -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Package:
-    name: str
-    version: str
-    module: str  # what ``import`` names
-    preinstalled: bool = False  # on the GPU machine's image: checked, not carried
-    optional: bool = False  # missing: reported, the check goes on
-
-
-@dataclass
-class PackageStatus:
-    package: Package
-    found: str | None  # the installed version, None if its metadata is absent
-    error: str | None  # why it failed to import, None if it imported
-
-    @property
-    def missing(self) -> bool:
-        return self.error is not None
-
-    @property
-    def other_version(self) -> bool:
-        return not self.missing and self.found != self.package.version
-
-
-def parse_packages(text: str) -> list[Package]:
-    """``name==version [module] [(preinstalled)] [(optional)]`` lines; ``#`` starts a comment."""
-    packages = []
-    for number, line in enumerate(text.splitlines(), 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        flags = {w for w in words[1:] if w.startswith("(")}
-        rest = [w for w in words[1:] if not w.startswith("(")]
-        name, sep, version = words[0].partition("==")
-        if not (sep and name and version) or len(rest) > 1 or \
-                flags - {"(preinstalled)", "(optional)"}:
-            raise ValueError(f"line {number}: expected 'name==version [module] [(flags)]': "
-                             f"{line!r}")
-        module = rest[0] if rest else name.lower().replace("-", "_")
-        packages.append(Package(name, version, module, "(preinstalled)" in flags,
-                                "(optional)" in flags))
-    return packages
-
-
-def read_packages(path: Path = PACKAGES_FILE) -> list[Package]:
-    return parse_packages(path.read_text())
-
-
-def check_packages(packages: list[Package]) -> list[PackageStatus]:
-    """Import each package; read its installed version from its metadata."""
-    statuses = []
-    for package in packages:
-        try:
-            found: str | None = metadata.version(package.name)
-        except metadata.PackageNotFoundError:
-            found = None
-        try:
-            import_module(package.module)
-            error = None
-        except Exception as exc:  # ImportError, or a broken build failing as it loads
-            error = f"{type(exc).__name__}: {exc}"
-        statuses.append(PackageStatus(package, found, error))
-    return statuses
-
-
-def carried_requirements(packages: list[Package], every: bool = False) -> list[str]:
-    """``name==version`` of the wheels to carry (``every``: the preinstalled ones too)."""
-    return [f"{p.name}=={p.version}" for p in packages if every or not p.preinstalled]
-
-
-# -- child processes --------------------------------------------------------------------------
-@dataclass
-class CommandRun:
-    returncode: int | None  # None when it was killed at its limit
-    wall_s: float
-    output: str
-    log: Path
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-
-def run_command(cmd: list[str], limit_s: float, log: Path,
-                env: dict[str, str] | None = None) -> CommandRun:
-    """``cmd`` in a session of its own, output to ``log``; at ``limit_s`` its whole process
-    group (pytest's workers, a server it started) is stopped."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            stop_process_group(proc, 10)
-            code = None
-    return CommandRun(code, time.monotonic() - start, log.read_text(errors="replace"), log)
 
 
 def child_command(child: str, json_path: Path, *args: str) -> list[str]:
@@ -184,66 +75,6 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-# -- the header -------------------------------------------------------------------------------
-def nvidia_smi() -> tuple[str, str] | None:
-    """(GPU name, driver version) of the first GPU from ``nvidia-smi``, if it answers."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                               "--format=csv,noheader"], capture_output=True, text=True,
-                              timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    name, _, driver = done.stdout.splitlines()[0].partition(",") if done.stdout else ("", "", "")
-    return (name.strip(), driver.strip()) if name.strip() else None
-
-
-def collect_header(device: str) -> dict[str, Any]:
-    """What ran the check (in a child: it initializes CUDA): GPU, driver, CUDA, torch, Triton,
-    Python, the host CPU, the checkout's commit, and the results file's slug."""
-    import torch
-
-    from bench.common import machine
-    from bench.decode_timing import device_slug
-
-    info = machine()
-    smi = nvidia_smi()
-    driver = smi[1] if smi else None
-    if driver is None and torch.cuda.is_available():
-        try:
-            api = torch._C._cuda_getDriverVersion()  # no public torch call gives the driver's
-            driver = f"unknown (supports CUDA {api // 1000}.{api % 1000 // 10})"
-        except (AttributeError, RuntimeError):
-            driver = None
-    try:
-        triton = import_module("triton").__version__
-    except ImportError:
-        triton = "not installed"
-    return {"gpu": info["gpu"] or (smi[0] if smi else None), "driver": driver,
-            "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton,
-            "python": info["python"], "cpu": info["cpu_model"], "cpu_cores": info["cpu_cores"],
-            "platform": info["platform"], "commit": info["git_commit"],
-            "slug": device_slug(device)}
-
-
-def header_lines(header: dict[str, Any], commit: str | None, total_s: float | None,
-                 budget_s: float) -> list[str]:
-    gpu = header.get("gpu") or "none seen"
-    wall = (f"{total_s:.0f} s of a {budget_s:.0f} s budget" if total_s is not None
-            else "(running)")
-    return [
-        f"# GPU check: {gpu}", "",
-        f"- GPU: {gpu}; driver {header.get('driver') or 'unknown'}; "
-        f"CUDA {header.get('cuda') or 'none'}",
-        f"- torch {header.get('torch', '?')}, Triton {header.get('triton', '?')}, "
-        f"Python {header.get('python', '?')}",
-        f"- commit: {commit or header.get('commit') or 'unknown'}",
-        f"- date: {header.get('date', '?')}",
-        f"- host CPU: {header.get('cpu', '?')}, {header.get('cpu_cores', '?')} cores "
-        f"({header.get('platform', '?')})",
-        f"- total wall time: {wall}",
-    ]
 
 
 # -- steps and the report ---------------------------------------------------------------------
@@ -322,20 +153,6 @@ def failed_run(name: str, run: CommandRun, limit_s: float, what: str) -> StepRes
 
 
 # -- 1. packages ------------------------------------------------------------------------------
-def package_table(statuses: list[dict[str, Any]]) -> str:
-    rows = [s for s in statuses if s["error"] or s["found"] != s["package"]["version"]]
-    if not rows:
-        return "Every package imports, at the listed version."
-    lines = ["| package | listed | found | |", "|---|---|---|---|"]
-    for s in rows:
-        p = s["package"]
-        kind = "optional" if p["optional"] else "required"
-        note = f"missing ({kind}): {s['error']}" if s["error"] else "other version"
-        lines.append(f"| {p['name']} | {p['version']} | {s['found'] or '-'} | "
-                     f"{note.replace('|', '/')} |")
-    return "\n".join(lines)
-
-
 def step_packages(check: Check, limit_s: float) -> StepResult:
     out = check.logs / "packages.json"
     run = run_command(child_command("packages", out), limit_s, check.log("packages"))
@@ -356,42 +173,6 @@ def step_packages(check: Check, limit_s: float) -> StepResult:
 
 
 # -- 2. the GPU test suite --------------------------------------------------------------------
-COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
-SUMMARY_PREFIXES = ("FAILED", "ERROR", "SKIPPED", "XPASS", "XFAIL")
-
-
-@dataclass
-class SuiteOutcome:
-    counts: dict[str, int]
-    failures: list[str]  # FAILED and ERROR lines of the short summary
-    skips: list[str]  # SKIPPED lines: their count, place and reason
-    final_line: str
-
-
-def parse_pytest(output: str) -> SuiteOutcome:
-    """Counts and short-summary lines from pytest's ``-q -rfEs`` output."""
-    lines = output.splitlines()
-    final = next((ln.strip("= ") for ln in reversed(lines)
-                  if re.search(r"\bin [\d.]+s\b", ln) and (COUNT.search(ln) or "no tests" in ln)),
-                 "")
-    counts: dict[str, int] = {}
-    for number, word in COUNT.findall(final):
-        word = "errors" if word.startswith("error") else word
-        counts[word] = counts.get(word, 0) + int(number)
-    summary = [ln for ln in lines if ln.startswith(SUMMARY_PREFIXES)]
-    return SuiteOutcome(counts, [ln for ln in summary if ln.startswith(("FAILED", "ERROR"))],
-                        [ln for ln in summary if ln.startswith("SKIPPED")], final)
-
-
-def suite_body(outcome: SuiteOutcome) -> str:
-    parts = []
-    if outcome.failures:
-        parts += ["Failures:", "", "```", *outcome.failures, "```"]
-    if outcome.skips:
-        parts += ["", "Skipped:", "", "```", *outcome.skips, "```"]
-    return "\n".join(parts)
-
-
 def step_suite(check: Check, limit_s: float) -> StepResult:
     cmd = [sys.executable, "-m", "pytest", *SUITE_ARGS, *shlex.split(check.args.suite_args)]
     run = run_command(cmd, limit_s, check.log("suite"), {"TIDAL_TEST_DEVICE": check.args.device})
@@ -472,133 +253,6 @@ def step_profile(check: Check, limit_s: float) -> StepResult:
                       result)
 
 
-# -- 5. the served quantized model against its CPU twin ---------------------------------------
-@dataclass
-class Completion:
-    text: str
-    tokens: list[str]  # each token's text, as the completions API's logprobs give them
-    logprobs: list[float]
-
-
-@dataclass
-class Comparison:
-    prompt: str
-    served: Completion
-    twin: Completion
-    same_text: bool
-    chars: int  # leading characters alike
-    tokens: int  # leading tokens alike
-    max_logprob_diff: float  # over the leading tokens alike
-
-
-def leading_match(a: list[Any] | str, b: list[Any] | str) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
-def compare(prompt: str, served: Completion, twin: Completion) -> Comparison:
-    tokens = leading_match(served.tokens, twin.tokens)
-    diffs = [abs(a - b) for a, b in zip(served.logprobs[:tokens], twin.logprobs[:tokens])]
-    return Comparison(prompt, served, twin, served.text == twin.text,
-                      leading_match(served.text, twin.text), tokens, max(diffs, default=0.0))
-
-
-class EmbeddedServer(LaunchedServer):
-    """``python -m app serve`` with no ``--model``: the embedded model, as a user starts it."""
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "app", "serve", "--port", str(self.port),
-                *self.server_args]
-
-
-def twin_completions(quantization: str, prompts: list[str], max_tokens: int) -> list[Completion]:
-    """The same greedy completions from the offline engine on the CPU. Its kernels are torch's
-    (``cpu_kernels="off"``): no C++ build and no timing at load, and float math like the GPU's
-    kernels, where tidal's integer dot kernel would round the activations to int8 first."""
-    from core import LLM, SamplingParams
-
-    llm = LLM(quantization=quantization, device="cpu", cpu_kernels="off")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    completions = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        choice = out.outputs[0]
-        completions.append(Completion(
-            choice.text, [llm.tokenizer.decode([t], skip_special_tokens=False)
-                          for t in choice.token_ids],
-            [entry[t] for t, entry in zip(choice.token_ids, choice.logprobs or [])]))
-    return completions
-
-
-def served_completions(url: str, prompts: list[str], max_tokens: int) -> list[Completion]:
-    import openai
-
-    from core.config import DEFAULT_MODEL_NAME
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    completions = []
-    for prompt in prompts:
-        choice = client.completions.create(
-            model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            logprobs=0, extra_body={"ignore_eos": True}).choices[0]
-        completions.append(Completion(choice.text, list(choice.logprobs.tokens),
-                                      list(choice.logprobs.token_logprobs)))
-    return completions
-
-
-def served_run(quantization: str, device: str, server_args: list[str],
-               prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    """Start the server, compute the CPU twin's completions while it loads, then ask it."""
-    start = time.monotonic()
-    server = EmbeddedServer("", ["--device", device, "--quantization", quantization,
-                                 *server_args])
-    try:
-        twin = twin_completions(quantization, prompts, max_tokens)
-        twin_s = time.monotonic() - start
-        server.wait_ready(timeout=300)
-        ready_s = time.monotonic() - start
-        served = served_completions(server.url, prompts, max_tokens)
-    finally:
-        server.stop()
-    return {"quantization": quantization, "server_args": server_args, "ready_s": ready_s,
-            "twin_s": twin_s,
-            "comparisons": [asdict(compare(p, s, t))
-                            for p, s, t in zip(prompts, served, twin)]}
-
-
-def run_served(device: str, quantizations: list[str], dtype: str, out: Path) -> None:
-    """Each quantization in turn, the JSON rewritten after each (a kill keeps the ones done)."""
-    server_args = [*SERVER_ARGS, "--dtype", dtype]
-    if not device.startswith("cuda"):
-        server_args += ["--cpu-kernels", "off"]
-    runs: list[dict[str, Any]] = []
-    for quantization in quantizations:
-        runs.append(served_run(quantization, device, server_args, SERVED_PROMPTS,
-                               SERVED_MAX_TOKENS))
-        out.write_text(json.dumps(runs, indent=2))
-
-
-def served_table(run: dict[str, Any]) -> str:
-    lines = [f"**{run['quantization']}** (`{' '.join(run['server_args'])}`; ready after "
-             f"{run['ready_s']:.0f} s, the CPU twin's {run['twin_s']:.0f} s among them): served "
-             "against the CPU twin (float32, torch's ops)", "",
-             "| prompt | same text | leading chars | leading tokens | max \\|Δ logprob\\| |",
-             "|---|---|---:|---:|---:|"]
-    for c in run["comparisons"]:
-        prompt = c["prompt"].replace("\n", " ").replace("|", "/")[:40]
-        lines.append(f"| {prompt} | {'yes' if c['same_text'] else 'no'} | "
-                     f"{c['chars']}/{len(c['twin']['text'])} | "
-                     f"{c['tokens']}/{len(c['twin']['tokens'])} | {c['max_logprob_diff']:.4f} |")
-    for c in run["comparisons"]:
-        if not c["same_text"]:
-            lines += ["", f"- `{c['prompt']!r}`: served `{c['served']['text']!r}`, CPU "
-                      f"`{c['twin']['text']!r}`"]
-    return "\n".join(lines)
-
-
 def step_served(check: Check, limit_s: float) -> StepResult:
     out = check.logs / "served.json"
     out.unlink(missing_ok=True)
@@ -611,13 +265,17 @@ def step_served(check: Check, limit_s: float) -> StepResult:
         return failed_run("served", run, limit_s, "the served comparison")
     same = "; ".join(f"{r['quantization']}: {sum(c['same_text'] for c in r['comparisons'])}/"
                      f"{len(r['comparisons'])} texts alike" for r in runs)
+    agree = all(c["agrees"] for r in runs for c in r["comparisons"])
     body = "\n\n".join(served_table(r) for r in runs)
     if run.returncode != 0:  # the first quantizations ran, a later one failed or hung
         partial = failed_run("served", run, limit_s, "the served comparison")
         return StepResult("served", partial.status, run.wall_s, limit_s,
                           f"{same}; then {partial.summary}", f"{body}\n\n{partial.body}",
                           {"runs": runs})
-    return StepResult("served", "passed", run.wall_s, limit_s, same, body, {"runs": runs})
+    if not agree:
+        same += f" (a text left its twin away from a near tie, {NEAR_TIE} nats)"
+    return StepResult("served", "passed" if agree else "failed", run.wall_s, limit_s, same,
+                      body, {"runs": runs})
 
 
 # -- running the steps ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,3 +160,32 @@ class SglangRouter(LaunchedServer):
         """Replicas the router would send a request to now."""
         with urllib.request.urlopen(self.url + "/workers", timeout=10) as resp:
             return sum(w["is_healthy"] for w in json.load(resp)["workers"])
+
+
+@dataclass
+class CommandRun:
+    returncode: int | None  # None when it was killed at its limit
+    wall_s: float
+    output: str
+    log: Path
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def run_command(cmd: list[str], limit_s: float, log: Path,
+                env: dict[str, str] | None = None) -> CommandRun:
+    """``cmd`` in a session of its own, output to ``log``; at ``limit_s`` its whole process
+    group (pytest's workers, a server it started) is stopped."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop_process_group(proc, 10)
+            code = None
+    return CommandRun(code, time.monotonic() - start, log.read_text(errors="replace"), log)

@@ -13,24 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check, kernel_profile
+from bench import gpu_check, gpu_header, kernel_profile
 from bench.gpu_check import (
     Check,
-    Completion,
-    Package,
     Step,
     StepResult,
-    check_packages,
-    compare,
     parse_args,
-    parse_packages,
-    parse_pytest,
-    read_packages,
-    run_command,
     run_steps,
     step_limit,
     write_report,
 )
+from bench.gpu_packages import Package, check_packages, parse_packages, read_packages
+from bench.processes import run_command
+from bench.pytest_summary import parse_pytest
+from bench.served_twins import NEAR_TIE, Completion, compare
 
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.65.06", "cuda": "13.0",
         "torch": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3", "cpu": "AMD EPYC 9454",
@@ -189,7 +185,7 @@ def test_the_budget_cuts_a_step_to_what_the_later_ones_leave(tmp_path: Path) -> 
 
 
 def test_the_header_names_this_machine_and_commit(tmp_path: Path) -> None:
-    header = gpu_check.collect_header("cpu")
+    header = gpu_header.collect_header("cpu")
     assert header["slug"] == "cpu" and header["python"] == ".".join(
         map(str, sys.version_info[:3]))
     assert header["cpu_cores"] == os.cpu_count() and header["torch"]
@@ -207,7 +203,17 @@ def test_served_text_is_compared_by_leading_characters_and_tokens() -> None:
     result = compare("HAMLET:", served, twin)
     assert (result.same_text, result.chars, result.tokens) == (False, 5, 2)
     assert result.max_logprob_diff == pytest.approx(0.05)
-    assert compare("x", twin, twin).same_text
+    assert not result.agrees  # a server's completion has no margins to excuse it
+    assert compare("x", twin, twin).same_text and compare("x", twin, twin).agrees
+
+
+def test_served_tokens_may_part_from_the_twin_only_at_a_near_tie() -> None:
+    twin = Completion("ab", ["a", "b"], [-0.1, -0.2], margins=[2.9, 1.8])
+    served = Completion("ax", ["a", "x"], [-0.1, -0.5])
+    assert not compare("p", served, twin).agrees
+    twin.margins[1] = NEAR_TIE / 2
+    assert compare("p", served, twin).agrees
+    assert not compare("p", Completion("a", ["a"], [-0.1]), twin).agrees  # one token short
 
 
 def test_kernel_profile_of_a_tiny_model_on_the_cpu(tmp_path: Path) -> None:
