@@ -99,7 +99,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from core.config import DEFAULT_MODEL_NAME, EngineConfig
+    from core.config import DEFAULT_MODEL_NAME, EXECUTOR_BACKENDS, EngineConfig
 
     defaults = SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})
     parser = argparse.ArgumentParser(
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                       default=defaults.tensor_parallel_size,
                       help="split the model over N worker processes (one per GPU, or CPU "
                       "processes sharing the cores), all-reducing between them")
-    dist.add_argument("--distributed-executor-backend", choices=("mp", "uni"), default=None,
+    dist.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
                       help="mp: the model in worker processes, one per rank (also for one "
                       "rank); uni: in the server's process (default: mp for several ranks)")
     dist.add_argument("--nnodes", type=_positive_int, default=defaults.nnodes,

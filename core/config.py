@@ -24,6 +24,7 @@ DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 # The model that ships inside the package (a small Llama trained on Tiny Shakespeare by
 # gpu/training/train_default.py): served when no model is named.
 DEFAULT_MODEL: str = str(Path(__file__).resolve().parent / "default_model")
+EXECUTOR_BACKENDS = ("mp", "uni")  # distributed_executor_backend's values
 DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 
@@ -105,7 +106,7 @@ class EngineConfig:
 
     def _check_distributed(self) -> None:
         backend = self.distributed_executor_backend
-        if backend not in (None, "mp", "uni"):
+        if backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'uni', "
                              f"got {backend!r}")
         if backend == "uni" and self.tensor_parallel_size > 1:

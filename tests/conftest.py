@@ -8,12 +8,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.device import TEST_DEVICE  # noqa: E402  (after the path above)
+
 # Tests run tidal's kernels wherever they apply, as the kernel tests expect; the selector's
 # tests set ``auto`` themselves, with their own timings and plan caches. The GPU suite's few
 # engines on the CPU (the twins its GPU engines are checked against) take torch's paths: the
 # CPU suite tests the kernels, and building them would cost a GPU machine minutes.
-os.environ.setdefault("TIDAL_CPU_KERNELS",
-                      "force" if os.environ.get("TIDAL_TEST_DEVICE", "cpu") == "cpu" else "off")
+os.environ.setdefault("TIDAL_CPU_KERNELS", "force" if TEST_DEVICE == "cpu" else "off")
 # Without a GPU, Triton kernels run in its interpreter. It reads the variable when triton is
 # first imported, which any test module may do first: set it before all of them.
 if "TRITON_INTERPRET" not in os.environ:
@@ -26,8 +28,6 @@ if "TRITON_INTERPRET" not in os.environ:
 def pytest_collection_modifyitems(config, items):
     """Under ``TIDAL_TEST_DEVICE=cuda``, a test marked ``cpu_only(reason)`` is skipped with its
     reason, which ``-rs`` prints: the GPU suite skips nothing without saying why."""
-    from tests.device import TEST_DEVICE
-
     if TEST_DEVICE == "cpu":
         return
     for item in items:
@@ -41,8 +41,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    from tests.device import TEST_DEVICE
-
     if TEST_DEVICE.startswith("cuda"):
         import torch
 
