@@ -45,7 +45,6 @@ cpu_only = pytest.mark.cpu_only(reason="tests the C++ CPU kernels (the GPU runs 
                                          "Triton cases)")
 # The torch backend's tests run on TEST_DEVICE beside the C++ kernels' (CPU only).
 BACKENDS = [pytest.param("cpu", marks=cpu_only), "torch"]
-TRITON_DEVICE = KERNEL_TEST_DEVICE
 # The engine's own attention kernels on TEST_DEVICE, which the engine tests hold to torch's
 KERNEL_BACKEND = "cpu" if TEST_DEVICE == "cpu" else "triton"
 
@@ -212,7 +211,7 @@ def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
             assert torch.equal(a, b)
 
 
-# -- Triton: on TRITON_DEVICE, in its interpreter on the CPU ------------------------------
+# -- Triton: on KERNEL_TEST_DEVICE, in its interpreter on the CPU ------------------------------
 @pytest.fixture
 def triton_kernels():
     """The Triton kernels, interpreted without CUDA (set at the top of this file: Triton reads
@@ -230,10 +229,10 @@ def test_triton_cache_write_is_the_reference_within_a_tie(triton_kernels, dim):
     away from zero and the reference to even (at most one step apart)."""
     # drawn on the CPU on every device: the same values, so the same (few) ties
     key, value = torch.randn(12, KV_HEADS, dim) * 3, torch.randn(12, KV_HEADS, dim)
-    key, value = key.to(TRITON_DEVICE), value.to(TRITON_DEVICE)
-    slots = _slots(10, 4 * 16, seed=dim, device=TRITON_DEVICE)
-    ours = _empty_int8(4, 16, dim, TRITON_DEVICE)
-    ref = _empty_int8(4, 16, dim, TRITON_DEVICE)
+    key, value = key.to(KERNEL_TEST_DEVICE), value.to(KERNEL_TEST_DEVICE)
+    slots = _slots(10, 4 * 16, seed=dim, device=KERNEL_TEST_DEVICE)
+    ours = _empty_int8(4, 16, dim, KERNEL_TEST_DEVICE)
+    ref = _empty_int8(4, 16, dim, KERNEL_TEST_DEVICE)
     triton_kernels.write_kv(key, value, *ours[:2], slots, *ours[2:])
     write_quantized(key, value, *ref[:2], *ref[2:], slots)
     for a, b in zip(ours[2:], ref[2:]):
@@ -250,9 +249,9 @@ def test_triton_attention_over_int8_matches(triton_kernels, block_size, dim, gro
 
     context = [1, block_size - 1, block_size + 1, 37]
     lens = [1] * 4 if query_lens == "decode" else [1, 9, 1, 20]
-    meta = paged_layout(context, lens, block_size, seed=dim, device=TRITON_DEVICE)
+    meta = paged_layout(context, lens, block_size, seed=dim, device=KERNEL_TEST_DEVICE)
     caches, dequantized = _int8_caches(meta, block_size, dim)
-    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim, device=TRITON_DEVICE)
+    query = torch.randn(meta.num_actual_tokens, KV_HEADS * group, dim, device=KERNEL_TEST_DEVICE)
     got = TritonAttentionBackend().forward(query, caches[0], caches[1], meta, 0.2, *caches[2:])
     ref = reference_paged_attention(query, *dequantized, meta, 0.2)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
