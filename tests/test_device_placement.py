@@ -103,8 +103,6 @@ def test_quantized_checkpoints_load_whole_onto_the_device(tmp_path, fmt):
 
 
 def test_a_tensor_left_on_the_cpu_is_found():
-    layer = QuantLinear.__new__(QuantLinear)
-    nn.Module.__init__(layer)
-    layer.packs = None
+    layer = nn.Module()
     layer.weight_format = {"q": torch.zeros(2, device="meta"), "scales": torch.zeros(2)}
     assert stray_tensors(layer, "meta") == ["model.weight_format.scales on cpu"]
