@@ -9,7 +9,12 @@ limit, so a hung step is killed, recorded as a failure, and the next one still r
 2. ``suite``: the GPU test suite, ``TIDAL_TEST_DEVICE=cuda pytest -m gpu`` on 8 xdist workers;
 3. ``roofline``: ``bench.decode_roofline`` on a reduced sweep (step, forward and roofline ms);
 4. ``profile``: ``bench.kernel_profile``, the kernels of one eager decode step;
-5. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
+5. ``matmul``: ``bench.matmul_roofline``, the decode GEMMs against their bytes and a prefill
+   chunk against the matmul rate;
+6. ``roofline-int4`` and ``roofline-torch``: the roofline of the 1B shape in int4, and of the
+   decode with torch's element-wise ops (``TIDAL_GPU_KERNELS=off``) in place of the fused
+   kernels, the baseline they are measured against;
+7. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
    asked for greedy completions with the official ``openai`` client, against the same prompts
    on the CPU (``core.LLM``).
 
@@ -30,6 +35,7 @@ from a child too, so a machine whose CUDA hangs still gets its report.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -49,18 +55,28 @@ from bench.pytest_summary import parse_pytest, suite_body
 from bench.served_twins import NEAR_TIE, run_served, served_table
 
 RESULTS_DIR = ROOT / "bench" / "results"
-STEPS = ("packages", "suite", "roofline", "profile", "served")
+STEPS = ("packages", "suite", "roofline", "profile", "matmul", "roofline-int4",
+         "roofline-torch", "served")
 BUDGET_S = 470.0  # the whole check, header included: under eight minutes
 # Each step's own time limit, and the least a later step keeps back from the ones before it.
 LIMITS_S = {"header": 60, "packages": 90, "suite": 300, "roofline": 150, "profile": 120,
-            "served": 150}
+            "matmul": 120, "roofline-int4": 90, "roofline-torch": 90, "served": 150}
 RESERVES_S = {"header": 20, "packages": 20, "suite": 60, "roofline": 75, "profile": 45,
-              "served": 60}
+              "matmul": 45, "roofline-int4": 40, "roofline-torch": 40, "served": 60}
 MIN_LIMIT_S = 5.0  # with less of the budget left, no step is started
 SUITE_ARGS = ["-m", "gpu", "-rfEs", "-q", "-n", "8", "--dist", "loadfile",
               "-p", "no:cacheprovider"]
 # About a minute on an H100 (two shapes' builds and graph captures, then 16 steps a batch).
-ROOFLINE_ARGS = ["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64", "--steps", "16"]
+ROOFLINE_ARGS = ["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64,128", "--steps",
+                 "16"]
+# The same decode with its element-wise steps as torch's ops (the fused kernels' baseline),
+# and the 1B shape's linears in int4 against their own roofline.
+ROOFLINE_VARIANTS = {
+    "roofline-torch": (["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64",
+                        "--steps", "16"], {"TIDAL_GPU_KERNELS": "off"}),
+    "roofline-int4": (["--shapes", "llama-3.2-1b", "--batches", "1,64", "--steps", "16",
+                       "--quantization", "int4"], {})}
+MATMUL_ARGS = ["--shape", "llama-3.2-1b"]
 PROFILE_ARGS = ["--shape", "llama-3.2-1b", "--batch", "1", "--batch", "64"]
 
 
@@ -205,30 +221,86 @@ def roofline_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def step_roofline(check: Check, limit_s: float) -> StepResult:
-    """``bench.decode_roofline`` on a reduced sweep. It writes its JSON among the committed
-    results; the full sweep's file there is put back afterwards, and this run's copied to OUT."""
-    args = shlex.split(check.args.roofline_args) if check.args.roofline_args else ROOFLINE_ARGS
+def step_roofline(check: Check, limit_s: float, name: str = "roofline") -> StepResult:
+    """``bench.decode_roofline`` on a reduced sweep (``name``: the main one or one of
+    ``ROOFLINE_VARIANTS``). It writes its JSON among the committed results; the full sweep's
+    file there is put back afterwards, and this run's copied to OUT."""
+    if name == "roofline":
+        args = (shlex.split(check.args.roofline_args) if check.args.roofline_args
+                else ROOFLINE_ARGS)
+        env: dict[str, str] = {}
+    else:
+        args, env = ROOFLINE_VARIANTS[name]
     cmd = [sys.executable, "-m", "bench.decode_roofline", *args, "--device", check.args.device,
            *([] if check.on_gpu else ["--tiny"])]
-    before = {p: p.read_bytes() for p in RESULTS_DIR.glob("decode_roofline-*.json")}
-    run = run_command(cmd, limit_s, check.log("roofline"), check.child_env())
+    run, result = run_writing_result(check, name, cmd, limit_s, "decode_roofline", env)
+    if result is None:
+        return failed_run(name, run, limit_s, "bench.decode_roofline")
+    rows = [r for entry in result["shapes"].values() for r in entry["rows"]]
+    worst = max(r["forward_over_roofline"] for r in rows)
+    return StepResult(name, "passed", run.wall_s, limit_s,
+                      f"{len(rows)} rows (`{shlex.join(args)}`{env_text(env)}); forward at "
+                      f"most {worst:.2f}x its roofline", roofline_table(result),
+                      {"shapes": result["shapes"]})
+
+
+def env_text(env: dict[str, str]) -> str:
+    return "".join(f", {k}={v}" for k, v in env.items())
+
+
+def run_writing_result(check: Check, name: str, cmd: list[str], limit_s: float, bench: str,
+                       env: dict[str, str]) -> tuple[CommandRun, dict[str, Any] | None]:
+    """Run a benchmark that writes ``bench/results/<bench>-*.json`` and says ``wrote PATH``:
+    its result, with the committed results files as they were before (the check's figures go
+    to its report and to OUT, not over a full sweep's file)."""
+    before = {p: p.read_bytes() for p in RESULTS_DIR.glob(f"{bench}-*.json")}
+    run = run_command(cmd, limit_s, check.log(name), {**check.child_env(), **env})
     wrote = re.findall(r"^wrote (.+\.json)$", run.output, re.M)
     result = read_json(Path(wrote[-1])) if wrote and run.returncode == 0 else None
-    for path in RESULTS_DIR.glob("decode_roofline-*.json"):
+    for path in RESULTS_DIR.glob(f"{bench}-*.json"):
         if path in before:
             path.write_bytes(before[path])
         else:
             path.unlink()
+    if result is not None and os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / f"gpu_check-{name}.json").write_text(json.dumps(result))
+    return run, result
+
+
+def step_matmul(check: Check, limit_s: float) -> StepResult:
+    """``bench.matmul_roofline``: the decode GEMMs against their bytes, a prefill chunk
+    against the matmul rate."""
+    cmd = [sys.executable, "-m", "bench.matmul_roofline", *MATMUL_ARGS, "--device",
+           check.args.device, *([] if check.on_gpu else ["--tiny"])]
+    run, result = run_writing_result(check, "matmul", cmd, limit_s, "matmul_roofline", {})
     if result is None:
-        return failed_run("roofline", run, limit_s, "bench.decode_roofline")
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "gpu_check-roofline.json").write_text(json.dumps(result))
-    rows = [r for entry in result["shapes"].values() for r in entry["rows"]]
-    worst = max(r["step_over_roofline"] for r in rows)
-    return StepResult("roofline", "passed", run.wall_s, limit_s,
-                      f"{len(rows)} rows (`{shlex.join(args)}`); step at most {worst:.1f}x "
-                      "its roofline", roofline_table(result), {"shapes": result["shapes"]})
+        return failed_run("matmul", run, limit_s, "bench.matmul_roofline")
+    prefill = result.get("prefill") or {}
+    low = min(result["gemms"], key=lambda r: r["of_copy_rate"])
+    summary = (f"GEMMs at {low['of_copy_rate']:.0%} of the copy rate or more (least: "
+               f"{low['gemm']} at batch {low['batch']}); prefill of {prefill.get('tokens')} "
+               f"tokens at {prefill.get('of_matmul_rate', 0):.0%} of the matmul rate "
+               f"({result['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")
+    return StepResult("matmul", "passed", run.wall_s, limit_s, summary, matmul_table(result),
+                      result)
+
+
+def matmul_table(result: dict[str, Any]) -> str:
+    lines = [f"Copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; "
+             f"{result['settings']['dtype']} matmul rate "
+             f"{result['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s.", "",
+             "| GEMM | out x in | batch | us | GB/s | of the copy rate |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in result["gemms"]:
+        lines.append(f"| {r['gemm']} | {r['out_features']}x{r['in_features']} | {r['batch']} "
+                     f"| {r['us']:.1f} | {r['bytes_per_s'] / 1e9:.0f} | "
+                     f"{r['of_copy_rate']:.0%} |")
+    prefill = result.get("prefill")
+    if prefill:
+        lines += ["", f"Prefill of {prefill['tokens']} tokens: {prefill['ms']:.2f} ms, "
+                  f"{prefill['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                  f"{prefill['of_matmul_rate']:.0%} of the matmul rate."]
+    return "\n".join(lines)
 
 
 # -- 4. the kernel profile ---------------------------------------------------------------------
@@ -287,7 +359,9 @@ class Step:
 
 STEP_FUNCTIONS: dict[str, Callable[[Check, float], StepResult]] = {
     "packages": step_packages, "suite": step_suite, "roofline": step_roofline,
-    "profile": step_profile, "served": step_served}
+    "profile": step_profile, "matmul": step_matmul,
+    **{name: functools.partial(step_roofline, name=name) for name in ROOFLINE_VARIANTS},
+    "served": step_served}
 
 
 def step_limit(check: Check, name: str, later: list[str]) -> float:

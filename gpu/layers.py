@@ -1,16 +1,20 @@
 """Building blocks of Llama-family models: RMSNorm, rotary position embeddings and the gated
 MLP's activation.
 
-On the CPU each runs as one compiled kernel (``gpu/cpu/csrc/kernels.cpp``, ``activation.cpp``)
-where they are built and their plan (timed on the host, ``gpu/cpu/op_plans.py``) says they are
-faster for the rows at hand: the torch forms below are 6, 14 and 2 ops, whose fixed costs
-dominate a decode step and whose intermediates are each a trip through memory at prefill
-sizes.
+Each has a torch form (``*_torch`` below: 6, 14 and 2 ops, whose fixed costs dominate a decode
+step and whose intermediates are each a trip through memory at prefill sizes) and a fused
+kernel per device, chosen in ``fused_kernels_for``: on a GPU the Triton kernels of
+``gpu/triton_elementwise.py``; on the CPU the compiled ones (``gpu/cpu/csrc/kernels.cpp``,
+``activation.cpp``) where they are built and their plan (timed on the host,
+``gpu/cpu/op_plans.py``) says they are faster for the rows at hand.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,35 @@ from torch import nn
 
 from gpu.cpu.kernels import cpu_kernels_for
 from gpu.cpu.selector import Plan
+
+# ``TIDAL_GPU_KERNELS=off`` keeps torch's forms on a GPU too (the baseline the fused kernels
+# are measured against).
+GPU_KERNELS = os.environ.get("TIDAL_GPU_KERNELS", "on") != "off"
+# Whether the Triton kernels also take CPU tensors, in Triton's interpreter (tests only).
+TRITON_ON_CPU = False
+
+
+def fused_kernels_for(x: torch.Tensor, plan: Plan | None = None) -> ModuleType | None:
+    """The fused kernels for ``x``'s device, or None for the torch forms: the Triton ones on
+    a GPU, the compiled CPU ones where built and ``plan`` gives them ``x``'s rows."""
+    if x.device.type == "cuda" or (TRITON_ON_CPU and x.device.type == "cpu"):
+        return _triton_kernels() if GPU_KERNELS else None
+    return cpu_kernels_for(x, plan)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    try:
+        from gpu import triton_elementwise
+    except ImportError:  # no Triton for this platform: torch's forms
+        return None
+    return triton_elementwise
+
+
+def _takes(kernels: ModuleType, *tensors: torch.Tensor) -> bool:
+    """Whether ``kernels`` take these tensors as laid out: the CPU kernels want them
+    contiguous, the Triton ones any view with a contiguous last dimension."""
+    return getattr(kernels, "TAKES_VIEWS", False) or all(t.is_contiguous() for t in tensors)
 
 
 class RMSNorm(nn.Module):
@@ -30,31 +63,40 @@ class RMSNorm(nn.Module):
         self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels_for(x, self.plan)
-        if kernels is not None and x.is_contiguous():
+        kernels = fused_kernels_for(x, self.plan)
+        if kernels is not None and _takes(kernels, x):
             return kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor,
                      delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, norm(x + delta))``: a residual add and the norm after it, in one
-        pass on the CPU (the add alone is a trip through memory at prefill sizes)."""
-        kernels = cpu_kernels_for(x, self.plan)
-        if kernels is not None and x.is_contiguous() and delta.is_contiguous():
+        pass where a fused kernel takes them (the add alone is a trip through memory at
+        prefill sizes, and a launch of its own on a GPU)."""
+        kernels = fused_kernels_for(x, self.plan)
+        if kernels is not None and _takes(kernels, x, delta):
             return kernels.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 def silu_and_mul(gate_up: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
     """``SiLU(gate) * up`` of a fused ``[..., 2n]`` gate/up projection, rounded as HF's
     ``F.silu(gate) * up`` (SiLU to the input dtype, then the product)."""
-    kernels = cpu_kernels_for(gate_up, plan)
-    if kernels is not None and gate_up.is_contiguous():
+    kernels = fused_kernels_for(gate_up, plan)
+    if kernels is not None and _takes(kernels, gate_up) and gate_up.dim() == 2:
         return kernels.silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -78,13 +120,20 @@ class RotaryEmbedding(nn.Module):
         """``q``/``k`` are ``[tokens, heads, head_dim]``. The compiled kernel rotates them in
         place (outside autograd: this is inference code) and returns them; the torch form
         returns new tensors."""
-        kernels = cpu_kernels_for(q, self.plan)
-        if kernels is not None and positions.dtype == torch.int64:
+        kernels = fused_kernels_for(q, self.plan)
+        if kernels is not None and (getattr(kernels, "TAKES_VIEWS", False)
+                                    or positions.dtype == torch.int64):
             kernels.rotary_embedding(q, k, self.cos, self.sin, positions)
             return q, k
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return rotary_torch(q, k, self.cos, self.sin, positions)
+
+
+def rotary_torch(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].to(q.dtype)[:, None, :]
+    sin = sin_table[positions].to(q.dtype)[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotary_table(head_dim: int, max_positions: int, theta: float,

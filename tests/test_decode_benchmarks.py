@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bench.common
-from bench import decode_attention, decode_roofline, overlap, prefill_attention
+from bench import decode_attention, decode_roofline, matmul_roofline, overlap, prefill_attention
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
 from gpu.cpu.kernels import target_isa
 from gpu.model_config import ModelConfig
@@ -52,6 +52,26 @@ def test_decode_roofline_and_overlap_smoke(tmp_path, monkeypatch):
     rows = json.loads(path.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["step_ms_overlap_on"] > 0 and r["gpu_ms"] > 0 for r in rows)
+
+
+def test_matmul_roofline_smoke(tmp_path, monkeypatch):
+    """Every GEMM of the shape at each batch, the matmul rate and a prefill chunk measured;
+    the prefill's FLOPs counted as its linears' and causal attention's."""
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    result = matmul_roofline.main(["--device", "cpu", "--tiny", "--batches", "1,3", "--chunk",
+                                   "16", "--peak-size", "64", "--model-root",
+                                   str(tmp_path / "models")])
+    assert result["path"].endswith("matmul_roofline-llama-3.2-1b-cpu-tiny.json")
+    gemms = {(r["gemm"], r["batch"]) for r in result["gemms"]}
+    assert gemms == {(g, b) for g in ("qkv", "o", "gate_up", "down", "lm_head") for b in (1, 3)}
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in result["gemms"])
+    prefill = result["prefill"]
+    assert prefill["ms"] > 0 and prefill["of_matmul_rate"] > 0
+    # tiny llama: 2 layers, hidden 64, 4 heads of 16 (2 KV), MLP 128
+    layers, tokens = 2, 16
+    linears = layers * 2 * tokens * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+    attention = layers * 2 * 2 * 4 * 16 * tokens * (tokens + 1) / 2
+    assert prefill["flops"] == linears + attention
 
 
 def test_prefill_attention_benchmark_smoke(tmp_path, monkeypatch):

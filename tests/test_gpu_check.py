@@ -240,9 +240,11 @@ def test_the_check_rehearsed_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monk
     the report (on the CPU the twin and the server run the same ops: identical texts)."""
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     code = gpu_check.main(["--device", "cpu", "--only", "profile", "--only", "served",
-                           "--served", "int8", "--profile-args", "--batch 2",
-                           "--out-dir", str(tmp_path)])
+                           "--only", "matmul", "--served", "int8", "--profile-args",
+                           "--batch 2", "--out-dir", str(tmp_path)])
     text = (tmp_path / "gpu_check-cpu.md").read_text()
     assert code == 0, text
     assert "| profile | passed |" in text and "| served | passed |" in text
+    assert "| matmul | passed |" in text and "| lm_head | 1024x64 | 8 |" in text
+    assert (tmp_path / "out" / "gpu_check-matmul.json").is_file()
     assert "int8: 4/4 texts alike" in text and (tmp_path / "out" / "gpu_check.md").is_file()

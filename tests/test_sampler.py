@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from core import LLM, SamplingParams
-from core.scheduler_output import NewRequestData
+from core.scheduler_output import GrammarBitmask, NewRequestData
 from gpu.input_batch import CachedRequestState, InputBatch
 from gpu.random_model import build_model_dir
-from gpu.sampler import Sampler, process_logits, row_argmax
+from gpu.sampler import Sampler, apply_grammar_bitmask, process_logits, row_argmax
 from gpu.sampling_metadata import build_sampling_metadata
-from tests.device import on_test_device
+from tests.device import KERNEL_TEST_DEVICE, on_test_device
 
 VOCAB = 32
 EOS = 3
@@ -406,3 +407,36 @@ def test_row_argmax_takes_the_first_of_tied_maxima():
     x[5, 3] = 2e9
     assert row_argmax(x).tolist() == [17] * 5 + [3]
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+def test_sampling_waits_on_nothing_from_the_device():
+    """Every processing step at once (penalties, logit_bias, min_tokens, temperature, min_p,
+    top-k and top-p, seeded and unseeded draws, logprobs, a grammar bitmask) runs without one
+    host-device synchronisation: on a GPU under CUDA's sync debug mode, which raises on any."""
+    pytest.importorskip("xgrammar")
+    device = KERNEL_TEST_DEVICE
+    sampled = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, logprobs=2),
+               SamplingParams(temperature=1.2, seed=11, top_p=0.5),
+               SamplingParams(temperature=0.7, top_k=3)]
+    requests = [*PROCESSING_CASES, *((p, [4, 5], [6]) for p in sampled)]
+    batch, states = _batch(requests)
+    meta = build_sampling_metadata(batch, states, VOCAB, device)
+    logits = (torch.randn(len(requests), VOCAB) * 2).to(device)
+    allowed = np.zeros((1, 1), dtype=np.int32)
+    allowed[0, 0] = (1 << 7) | (1 << 9)  # the first row may say 7 or 9 alone
+    grammar = GrammarBitmask(req_ids=["r0"], bitmask=allowed)
+    row_ids = [f"r{i}" for i in range(len(requests))]
+    debug = torch.cuda.get_sync_debug_mode() if device != "cpu" else None
+    if device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_grammar_bitmask(logits, grammar, row_ids)
+        out = Sampler()(logits, meta)
+    finally:
+        if debug is not None:
+            torch.cuda.set_sync_debug_mode(debug)
+    ids = out.sampled_token_ids.tolist()
+    assert ids[0] in (7, 9) and len(ids) == len(requests)
+    assert out.logprobs is not None and out.logprobs.shape == (len(requests), 3)
