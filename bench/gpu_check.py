@@ -14,7 +14,8 @@ limit, so a hung step is killed, recorded as a failure, and the next one still r
 6. ``roofline-int4`` and ``roofline-torch``: the roofline of the 1B shape in int4, and of the
    decode with torch's element-wise ops (``TIDAL_GPU_KERNELS=off``) in place of the fused
    kernels, the baseline they are measured against;
-7. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
+7. ``throughput``: ``bench.offline_throughput``, ``LLM.generate`` against HF ``generate``;
+8. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
    asked for greedy completions with the official ``openai`` client, against the same prompts
    on the CPU (``core.LLM``).
 
@@ -56,13 +57,15 @@ from bench.served_twins import NEAR_TIE, run_served, served_table
 
 RESULTS_DIR = ROOT / "bench" / "results"
 STEPS = ("packages", "suite", "roofline", "profile", "matmul", "roofline-int4",
-         "roofline-torch", "served")
+         "throughput", "roofline-torch", "served")
 BUDGET_S = 470.0  # the whole check, header included: under eight minutes
 # Each step's own time limit, and the least a later step keeps back from the ones before it.
 LIMITS_S = {"header": 60, "packages": 90, "suite": 300, "roofline": 150, "profile": 120,
-            "matmul": 120, "roofline-int4": 90, "roofline-torch": 90, "served": 150}
+            "matmul": 120, "roofline-int4": 90, "throughput": 150, "roofline-torch": 90,
+            "served": 150}
 RESERVES_S = {"header": 20, "packages": 20, "suite": 60, "roofline": 75, "profile": 45,
-              "matmul": 45, "roofline-int4": 40, "roofline-torch": 40, "served": 60}
+              "matmul": 45, "roofline-int4": 40, "throughput": 60, "roofline-torch": 40,
+              "served": 60}
 MIN_LIMIT_S = 5.0  # with less of the budget left, no step is started
 SUITE_ARGS = ["-m", "gpu", "-rfEs", "-q", "-n", "8", "--dist", "loadfile",
               "-p", "no:cacheprovider"]
@@ -77,6 +80,11 @@ ROOFLINE_VARIANTS = {
     "roofline-int4": (["--shapes", "llama-3.2-1b", "--batches", "1,64", "--steps", "16",
                        "--quantization", "int4"], {})}
 MATMUL_ARGS = ["--shape", "llama-3.2-1b"]
+# 512 prompts of 64-256 tokens, 128 out, through LLM.generate and through HF generate
+THROUGHPUT_ARGS = ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16", "--num-prompts", "512",
+                   "--max-num-seqs", "256", "--hf-batch-size", "128"]
+THROUGHPUT_CPU_ARGS = ["--num-prompts", "8", "--min-len", "8", "--max-len", "16",
+                       "--output-len", "8", "--max-num-seqs", "8", "--hf-batch-size", "8"]
 PROFILE_ARGS = ["--shape", "llama-3.2-1b", "--batch", "1", "--batch", "64"]
 
 
@@ -285,6 +293,27 @@ def step_matmul(check: Check, limit_s: float) -> StepResult:
                       result)
 
 
+def step_throughput(check: Check, limit_s: float) -> StepResult:
+    """``bench.offline_throughput``: the same prompts through ``LLM.generate`` and HF's
+    ``generate`` on the device, each in a fresh process."""
+    args = THROUGHPUT_ARGS if check.on_gpu else THROUGHPUT_CPU_ARGS
+    cmd = [sys.executable, "-m", "bench.offline_throughput", *args, "--device",
+           check.args.device, "--name", "offline_throughput-gpu-check"]
+    run, result = run_writing_result(check, "throughput", cmd, limit_s, "offline_throughput",
+                                     {})
+    if result is None:
+        return failed_run("throughput", run, limit_s, "bench.offline_throughput")
+    ours, hf = result["tidal"], result["hf_generate"]
+    summary = (f"{result['ratio_output_tok_per_s']:.2f}x HF generate "
+               f"({ours['output_tok_per_s']:.0f} vs {hf['output_tok_per_s']:.0f} output tok/s; "
+               f"`{shlex.join(args)}`)")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in ours.get("step_ms", {}).items())
+    body = (f"{summary}.\n\ntidal: {ours['seconds']:.2f} s, {ours.get('steps')} steps; "
+            f"ms per step: {phases}.")
+    return StepResult("throughput", "passed", run.wall_s, limit_s, summary, body,
+                      {"tidal": ours, "hf_generate": hf})
+
+
 def matmul_table(result: dict[str, Any]) -> str:
     lines = [f"Copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; "
              f"{result['settings']['dtype']} matmul rate "
@@ -359,7 +388,7 @@ class Step:
 
 STEP_FUNCTIONS: dict[str, Callable[[Check, float], StepResult]] = {
     "packages": step_packages, "suite": step_suite, "roofline": step_roofline,
-    "profile": step_profile, "matmul": step_matmul,
+    "profile": step_profile, "matmul": step_matmul, "throughput": step_throughput,
     **{name: functools.partial(step_roofline, name=name) for name in ROOFLINE_VARIANTS},
     "served": step_served}
 

@@ -74,7 +74,8 @@ class RMSNorm(nn.Module):
         pass where a fused kernel takes them (the add alone is a trip through memory at
         prefill sizes, and a launch of its own on a GPU)."""
         kernels = fused_kernels_for(x, self.plan)
-        if kernels is not None and _takes(kernels, x, delta):
+        if (kernels is not None and _takes(kernels, x, delta) and delta.dtype == x.dtype
+                and delta.shape == x.shape):
             return kernels.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
