@@ -7,6 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app.admission import Admitted
 from app.errors import ApiError
 from app.metrics import RequestTracker
 from app.protocol import PreparedRequest, prepare_chat_request
@@ -19,10 +20,12 @@ from core.outputs import CompletionOutput, RequestOutput
 
 async def chat_completions(request: Request) -> Any:
     state, prepared = await read_request(request, prepare_chat_request)
+    ticket = state.admission.admit(prepared.arrival.client, prepared.params.n)  # else 429
     if prepared.stream:
         tracker = state.metrics.track(len(prepared.prompt_token_ids))
-        return EventStreamResponse(stream_chat(state, prepared, tracker), on_sent=tracker.sent)
-    return DeferredJSONResponse(lambda: complete_chat(state, prepared))
+        return Admitted(EventStreamResponse(stream_chat(state, prepared, tracker),
+                                            on_sent=tracker.sent), ticket)
+    return Admitted(DeferredJSONResponse(lambda: complete_chat(state, prepared)), ticket)
 
 
 async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: RequestTracker

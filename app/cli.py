@@ -48,14 +48,22 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _int_from(least: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}: {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_from(1, text)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_from(0, text)
 
 
 def _positive_seconds(text: str) -> float:
@@ -99,6 +107,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from app.state import DEFAULT_REQUEST_BODY_TIMEOUT
     from core.config import DEFAULT_MODEL_NAME, EXECUTOR_BACKENDS, EngineConfig
 
     defaults = SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})
@@ -203,12 +212,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     api = serve.add_argument_group("API and security")
     api.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer <key>' on /v1 requests")
+                     help="require 'Authorization: Bearer <key>' on every route but /health "
+                     "and the chat page's HTML (the websocket also takes it as a subprotocol)")
+    api.add_argument("--metrics-without-key", action="store_true",
+                     help="serve /metrics without --api-key's key, to a scraper")
     api.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                      help="origins whose web pages may call the API (CORS), e.g. "
                      "http://localhost:3000, or '*' for any (default: none)")
+    api.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                     help="Host header names the server answers to (others get 400: DNS "
+                     "rebinding), e.g. tidal.internal, .example.com for it and its "
+                     "subdomains, or '*' (default: on a loopback --host the loopback names, "
+                     "else any)")
     api.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
                      help="largest request body accepted (larger ones get 413)")
+    api.add_argument("--request-body-timeout", type=_positive_seconds,
+                     default=DEFAULT_REQUEST_BODY_TIMEOUT, metavar="SECONDS",
+                     help="time a request body may take to arrive after its headers (a "
+                     "slower one gets 408 and its connection closed)")
+
+    limits = serve.add_argument_group(
+        "limits and admission", "per-request caps (400 naming the field), grammar bounds and "
+        "admission control (429 with Retry-After); docs/robustness.md")
+    limits.add_argument("--max-prompts-per-request", type=_positive_int, default=256,
+                        help="most prompts in one /v1/completions request")
+    limits.add_argument("--max-request-tokens", type=_positive_int, default=1 << 20,
+                        help="most tokens one request may put through the engine: its prompt "
+                        "tokens plus n x max_tokens per prompt (an unset max_tokens counts "
+                        "the room left in the context)")
+    limits.add_argument("--max-tools", type=_positive_int, default=128,
+                        help="most tools in one chat request")
+    limits.add_argument("--max-waiting-seqs", type=_non_negative_int, default=512,
+                        help="sequences that may wait beyond a full batch (--max-num-seqs); a "
+                        "request that would pass it gets 429 with Retry-After")
+    limits.add_argument("--max-waiting-seqs-per-client", type=_non_negative_int, default=None,
+                        help="the same bound for one client's sequences (default: half of "
+                        "--max-waiting-seqs)")
+    limits.add_argument("--fair-share-by", default="address",
+                        choices=["address", "api-key", "user", "none"],
+                        help="who a client is, for its share of the queue and the "
+                        "scheduler's round-robin: its peer address, the API key it presents, "
+                        "the body's 'user' field, or all alike")
+    limits.add_argument("--grammar-compile-timeout", type=_positive_seconds,
+                        default=defaults.grammar_compile_timeout, metavar="SECONDS",
+                        help="a grammar (response_format, structured_outputs, tools) still "
+                        "compiling this long fails with 400")
+    limits.add_argument("--grammar-compile-workers", type=_positive_int,
+                        default=defaults.grammar_compile_workers,
+                        help="grammars compiled at once")
+    limits.add_argument("--grammar-cache-bytes", type=parse_bytes,
+                        default=defaults.grammar_cache_bytes,
+                        help="memory the compiled-grammar cache may hold, e.g. 256MiB")
 
     chat = serve.add_argument_group("chat and tools")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
@@ -240,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from app.guard import default_allowed_hosts
     from app.state import ServerSettings
     from core.config import DEFAULT_MODEL_NAME, EngineConfig
 
@@ -256,7 +311,10 @@ def serve(args: argparse.Namespace) -> int:
             quantization_group_size=args.quantization_group_size,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
             distributed_executor_backend=args.distributed_executor_backend,
-            node_rank=args.node_rank, distributed_init_method=args.distributed_init_method)
+            node_rank=args.node_rank, distributed_init_method=args.distributed_init_method,
+            grammar_compile_timeout=args.grammar_compile_timeout,
+            grammar_compile_workers=args.grammar_compile_workers,
+            grammar_cache_bytes=args.grammar_cache_bytes)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
@@ -276,9 +334,18 @@ def serve(args: argparse.Namespace) -> int:
         model_path=config.model,
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         host=args.host, port=args.port, allowed_origins=args.allowed_origins,
+        allowed_hosts=(args.allowed_hosts if args.allowed_hosts is not None
+                       else default_allowed_hosts(args.host)),
+        metrics_without_key=args.metrics_without_key,
+        request_body_timeout=args.request_body_timeout,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         request_timeout=args.request_timeout, enable_request_tracing=args.enable_request_tracing,
-        otlp_traces_endpoint=args.otlp_traces_endpoint)
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_request_tokens=args.max_request_tokens, max_tools=args.max_tools,
+        max_waiting_seqs=args.max_waiting_seqs,
+        max_waiting_seqs_per_client=args.max_waiting_seqs_per_client,
+        fair_share_by=args.fair_share_by)
     return run_event_loop(_serve(config, settings, tracer))
 
 
@@ -353,7 +420,16 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging set-up
     config.graceful_timeout = 5.0
+    config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S  # an idle connection is closed
+    # a websocket frame past the body limit is refused as it arrives, not after 16 MiB
+    config.websocket_max_message_size = settings.max_request_bytes + 1024
     return config
+
+
+# How long an idle connection (no request in flight; or one that has not sent its whole
+# headers yet) is kept before hypercorn closes it. A slow body is the app's to time
+# (--request-body-timeout, app/guard.py).
+KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 # how long a server whose engine died keeps answering (503 on /health, errors elsewhere)

@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app.admission import Admitted
 from app.errors import ApiError
 from app.metrics import RequestTracker
 from app.protocol import PreparedCompletion, prepare_completion_request
@@ -29,10 +30,19 @@ from core.outputs import CompletionOutput, RequestOutput
 
 async def completions(request: Request) -> Any:
     state, prepared = await read_request(request, prepare_completion_request)
+    # the sequences it has in the engine at once: ``_Run.deltas`` starts a batch's worth
+    n = prepared.params.n
+    seqs = min(len(prepared.prompts), _prompts_in_flight(state, n)) * n
+    ticket = state.admission.admit(prepared.arrival.client, seqs)  # 429 past its limits
     if prepared.stream:
         run = _Run(state, prepared)
-        return EventStreamResponse(stream_completion(run), on_sent=run.sent)
-    return DeferredJSONResponse(lambda: complete_text(state, prepared))
+        return Admitted(EventStreamResponse(stream_completion(run), on_sent=run.sent), ticket)
+    return Admitted(DeferredJSONResponse(lambda: complete_text(state, prepared)), ticket)
+
+
+def _prompts_in_flight(state: ServerState, n: int) -> int:
+    """How many of a request's prompts run at once: a batch's worth of choices."""
+    return max(1, state.max_num_seqs // n)
 
 
 @dataclass
@@ -60,7 +70,7 @@ class _Run:
         streams = [generate(self.state, self._engine_id(i), p.token_ids, self.prep.params,
                             p.text, self.prep.arrival) for i, p in enumerate(self.prep.prompts)]
         # a batch's worth of choices at a time (``n`` per prompt)
-        in_flight = self.state.max_num_seqs // self.prep.params.n
+        in_flight = _prompts_in_flight(self.state, self.prep.params.n)
         async for index, out in merge_streams(streams, in_flight):
             self.trackers[index].observe(out)
             self.cached[index] = out.num_cached_tokens

@@ -41,6 +41,9 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]],
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None
+    except RecursionError:  # a message's tool calls or parts nested past Python's stack
+        raise bad_request("The messages are nested too deeply to render", "messages",
+                          code="nested_too_deeply") from None
     finally:
         state.metrics.chat_template_time.observe(time.perf_counter() - start)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
@@ -103,6 +104,18 @@ class _EngineStatsCollector:
         yield CounterMetricFamily("tidal:num_preemptions",
                                   "Requests preempted for lack of KV cache.",
                                   value=stats.num_preemptions)
+        yield GaugeMetricFamily("tidal:num_clients_waiting",
+                                "Clients with a request waiting to be scheduled (taken "
+                                "round-robin).", value=stats.num_waiting_clients)
+        yield GaugeMetricFamily("tidal:max_requests_waiting_per_client",
+                                "Requests (sequences) waiting from the client with the most.",
+                                value=stats.max_waiting_per_client)
+        yield GaugeMetricFamily("tidal:grammar_cache_bytes",
+                                "Compiled grammars held by the cache (their size estimate).",
+                                value=stats.grammar_cache_bytes)
+        yield CounterMetricFamily("tidal:grammar_compile_timeouts",
+                                  "Grammar compiles failed for passing their time limit.",
+                                  value=stats.grammar_compile_timeouts)
 
 
 class _EventLoopCpuCollector:
@@ -154,6 +167,16 @@ class ServerMetrics:
             "tidal:request_chat_template_time_seconds",
             "Time spent applying the chat template to a request's messages.", ["model_name"],
             buckets=PREPARE_BUCKETS, registry=reg).labels(model_name=model_name)
+        self.rejected = Counter(
+            "tidal:requests_rejected", "Requests refused with 429 by admission control, by "
+            "which limit: the server's waiting sequences or one client's share.", ["reason"],
+            registry=reg)
+        self.admitted_seqs = Gauge(
+            "tidal:admitted_sequences", "Sequences reserved by admitted requests not yet "
+            "ended (running or waiting).", registry=reg)
+        self.admitted_clients = Gauge(
+            "tidal:admitted_clients", "Clients with an admitted request not yet ended.",
+            registry=reg)
         self.tokenization_time = Histogram(
             "tidal:request_tokenization_time_seconds", "Time spent tokenizing a prompt.",
             ["model_name"], buckets=PREPARE_BUCKETS, registry=reg).labels(model_name=model_name)

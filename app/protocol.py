@@ -32,6 +32,7 @@ from app.structured import (
 from core.lifecycle import Arrival
 from core.sampling_params import SamplingParams
 from core.structured_output import StructuredOutputsParams
+from core.structured_output.limits import GrammarError, check_document
 
 if TYPE_CHECKING:
     from app.state import ServerState
@@ -62,7 +63,7 @@ class PreparedRequest:
     dropped_messages: int | None = None
     tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
     timeout: float | None = None  # seconds it may wait and run: its own, or the server's
-    arrival: Arrival | None = None  # stamped by ``serving.read_request``
+    arrival: Arrival | None = None  # stamped by ``serving.prepare_off_loop``
 
 
 @dataclass
@@ -101,6 +102,15 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         body = {**body, "model": state.served_model_name}
     req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
     check_model(req.model, state)
+    if req.tools is not None:
+        if len(req.tools) > state.settings.max_tools:
+            raise bad_request(f"tools has {len(req.tools)} tools, more than this server's "
+                              f"limit of {state.settings.max_tools}", "tools",
+                              code="too_many_tools")
+        try:  # depth and size, before the template or the tool parser walks them
+            check_document(req.tools, "tools")
+        except GrammarError as exc:
+            raise bad_request(str(exc), exc.param, code=exc.code) from None
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     stream = _stream_flags(req)
@@ -132,6 +142,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")
+    check_request_tokens(state, [len(token_ids)], params, max_field)
     return PreparedRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
@@ -159,6 +170,7 @@ def _constrained(params: SamplingParams, req: SamplingFields,
 
 def prepare_completion_request(body: dict[str, Any], state: ServerState
                                ) -> PreparedCompletion:
+    _check_prompt_count(body.get("prompt"), state.settings.max_prompts_per_request)
     req: CompletionRequest = validate_body(CompletionRequest, body)
     check_model(req.model, state)
     stream = _stream_flags(req)
@@ -177,10 +189,36 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         _fit_context(state, len(prompt.token_ids), params, param, "max_tokens")
+    check_request_tokens(state, [len(p.token_ids) for p in prompts], params, "max_tokens")
     return PreparedCompletion(
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
         logprobs=req.logprobs, timeout=request_timeout(req, state))
+
+
+def _check_prompt_count(prompt: Any, limit: int) -> None:
+    """At most ``limit`` prompts (a list of strings or of token-id lists; a list of ints is
+    one prompt), checked on the raw body before anything is validated or tokenized."""
+    if (isinstance(prompt, list) and len(prompt) > limit
+            and isinstance(prompt[0], (str, list))):
+        raise bad_request(f"prompt has {len(prompt)} prompts, more than this server's limit "
+                          f"of {limit} per request", "prompt", code="too_many_prompts")
+
+
+def check_request_tokens(state: ServerState, prompt_lengths: list[int],
+                         params: SamplingParams, max_param: str) -> None:
+    """The tokens a request may put through the engine, each prompt's tokens once and
+    ``n`` x ``max_tokens`` for each prompt (the room left in the context where
+    ``max_tokens`` is unset), within ``--max-request-tokens``."""
+    limit = state.settings.max_request_tokens
+    max_tokens = params.max_tokens if params.max_tokens is not None else state.context_tokens
+    total = sum(prompt_lengths) + len(prompt_lengths) * params.n * max_tokens
+    if total > limit:
+        prompts = f" x {len(prompt_lengths)} prompts" if len(prompt_lengths) > 1 else ""
+        raise bad_request(
+            f"This request may use {total} tokens (its prompt tokens + n {params.n} x "
+            f"{max_param} {max_tokens}{prompts}), more than this server's limit of {limit} "
+            f"a request; lower {max_param} or n", max_param, code="too_many_tokens")
 
 
 def request_timeout(req: SamplingFields, state: ServerState) -> float | None:

@@ -24,6 +24,7 @@ from starlette.routing import Route, WebSocketRoute
 from app.chat_completions import chat_completions
 from app.completions import completions
 from app.errors import ApiError
+from app.guard import RequestGuard
 from app.metrics import CONTENT_TYPE
 from app.replica import flush_cache, get_load, load, model_info, server_info
 from app.serving import check_api_key, get_state
@@ -67,13 +68,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
             Route("/model_info", model_info, methods=["GET"]),
             Route("/load", load, methods=["GET"]),
             Route("/get_load", get_load, methods=["GET"]),
-            Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+            Route("/flush_cache", flush_cache, methods=["POST"]),  # it changes state
             WebSocketRoute("/v1/chat/ws", chat_websocket),
             Route("/", chat_page, methods=["GET"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _server_error},
-        middleware=_cors(settings.allowed_origins),
+        middleware=[*_cors(settings.allowed_origins),
+                    Middleware(RequestGuard, settings=settings)],
         lifespan=lifespan,
     )
     app.state.tidal = state
@@ -82,7 +84,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
 
 def _cors(origins: list[str]) -> list[Middleware]:
     """Cross-origin access for web pages served elsewhere: any method and header (the API
-    key travels in ``Authorization``) from ``origins``; none by default."""
+    key travels in ``Authorization``) from ``origins``; none by default. Outside the guard
+    (app/guard.py), whose refusals then carry CORS headers for these origins."""
     if not origins:
         return []
     return [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
@@ -129,7 +132,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def _json_error(err: ApiError) -> Response:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
 
 _STARTED = int(time.time())

@@ -5,6 +5,7 @@ prompts' streams, and the usage and logprobs blocks of the responses."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
 import time
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from app.admission import client_key
 from app.errors import ApiError
 from app.schemas import parse_json_body
 from app.state import ServerState
@@ -51,6 +53,11 @@ def check_engine(state: ServerState) -> None:
 async def read_json_body(request: Request) -> dict[str, Any]:
     """Authorize, then read the body (at most ``max_request_bytes``) as a JSON object,
     whatever the Content-Type says."""
+    return parse_json_body(await read_body(request))
+
+
+async def read_body(request: Request) -> bytes:
+    """Authorize, then read the body's bytes, at most ``max_request_bytes`` (else 413)."""
     state = get_state(request)
     check_api_key(request.headers, state)
     limit = state.settings.max_request_bytes
@@ -64,7 +71,7 @@ async def read_json_body(request: Request) -> dict[str, Any]:
             chunks.append(chunk)  # past the limit, drain the rest so the reply gets through
     if size > limit:
         raise _too_large(limit)
-    return parse_json_body(b"".join(chunks))
+    return b"".join(chunks)
 
 
 async def read_request(request: Request,
@@ -72,16 +79,44 @@ async def read_request(request: Request,
                        ) -> tuple[ServerState, Prepared]:
     """Read the body and ``prepare`` it for the engine, then check the engine is running:
     a request that is wrong gets its 4xx even while the engine is down. Stamps the
-    prepared request's ``arrival``: when it came, when its prompt was tokenized."""
+    prepared request's ``arrival``: when it came, when its prompt was tokenized, its
+    timeout and its client (``admission.client_key``).
+
+    Parsing, validation, templating, tokenizing and the grammar's size checks and key all
+    grow with the body: they run on the state's ``prepare_pool``, never on the event loop.
+    The grammar then compiles within the request's ``timeout``."""
     arrived = time.monotonic()
     state = get_state(request)
-    body = await read_json_body(request)
-    prepared = prepare(body, state)
-    timeout = prepared.timeout  # type: ignore[attr-defined]
-    prepared.arrival = Arrival(arrived, time.monotonic(), timeout)  # type: ignore[attr-defined]
-    check_engine(state)
-    await check_grammar(state, prepared.params)  # type: ignore[attr-defined]
+    raw = await read_body(request)
+    prepared = await prepare_off_loop(
+        state, arrived, functools.partial(_parse_and_prepare, raw, prepare, state),
+        lambda body: client_key(state.settings.fair_share_by, request.scope, request.headers,
+                                body))
     return state, prepared
+
+
+async def prepare_off_loop(state: ServerState, arrived: float,
+                           work: Callable[[], tuple[Mapping[str, Any], Prepared]],
+                           client_of: Callable[[Mapping[str, Any]], str]) -> Prepared:
+    """Run ``work`` (parse, validate, template, tokenize: returns the body and the prepared
+    request) on the ``prepare_pool``, stamp the prepared request's ``arrival`` (``arrived``,
+    its tokenizing, its timeout, ``client_of(body)``), then check the engine is running and
+    the request's grammar compiles: what every chat and completion request, HTTP or
+    websocket turn, goes through before admission."""
+    loop = asyncio.get_running_loop()
+    body, prepared = await loop.run_in_executor(state.prepare_pool, work)
+    timeout = prepared.timeout  # type: ignore[attr-defined]
+    prepared.arrival = Arrival(arrived, time.monotonic(), timeout,  # type: ignore[attr-defined]
+                               client_of(body))
+    check_engine(state)
+    await check_grammar(state, prepared.params, prepared.arrival)  # type: ignore[attr-defined]
+    return prepared
+
+
+def _parse_and_prepare(raw: bytes, prepare: Callable[[dict[str, Any], ServerState], Prepared],
+                       state: ServerState) -> tuple[dict[str, Any], Prepared]:
+    body = parse_json_body(raw)
+    return body, prepare(body, state)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -89,16 +124,27 @@ def _too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-async def check_grammar(state: ServerState, params: SamplingParams) -> None:
-    """400 naming the field when the request's reply constraint does not compile; checked
-    before a response starts, so a stream never opens for it."""
+async def check_grammar(state: ServerState, params: SamplingParams,
+                        arrival: Arrival | None = None) -> None:
+    """400 naming the field when the request's reply constraint does not compile (or takes
+    longer than the server's compile limit); checked before a response starts, so a stream
+    never opens for it. The compile counts against the request's ``timeout`` (``arrival``):
+    past it, 408."""
     spec = params.structured_outputs
     if spec is None:
         return
+    deadline = arrival.deadline if arrival is not None else None
     try:
-        await state.engine.compile_grammar(spec)
+        compiled = state.engine.compile_grammar(spec)
+        if deadline is None:
+            await compiled
+        else:  # the shared compile goes on (it is cached) when this request stops waiting
+            await asyncio.wait_for(compiled, max(0.0, deadline - time.monotonic()))
     except GrammarError as exc:
-        raise ApiError(400, str(exc), exc.param) from None
+        raise ApiError(400, str(exc), exc.param, code=exc.code) from None
+    except asyncio.TimeoutError:
+        assert arrival is not None
+        raise timeout_error(arrival.timeout) from None
 
 
 async def generate(state: ServerState, request_id: str, prompt_token_ids: list[int],

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from app.admission import Admission
 from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
 from core.token_decoders import token_bytes
@@ -19,6 +21,9 @@ if TYPE_CHECKING:
     from core.async_engine import AsyncEngine
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB of JSON body
+PREPARE_WORKERS = 4  # threads preparing request bodies (the tokenizer releases the GIL)
+# Seconds a request's body may take to arrive, all of it, after its headers: 4 MiB at 70 KB/s
+DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
 
 
 @dataclass
@@ -30,11 +35,24 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none: same origin only
+    # Host header names served (DNS rebinding); None: any. The CLI's default on a loopback bind
+    # is the loopback names (app/guard.py's ``default_allowed_hosts``).
+    allowed_hosts: list[str] | None = None
+    metrics_without_key: bool = False  # /metrics open to a scraper without --api-key's key
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds for a whole body
     chat_template: str | None = None  # a template file to use instead of the tokenizer's
     tool_call_parser: str | None = None  # hermes, llama3_json, mistral; None: from the template
     request_timeout: float | None = None  # seconds a request may wait and run; None: no limit
     enable_request_tracing: bool = False  # a JSON log line per finished request
     otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector for request spans
+    # Per-request caps and admission control (docs/robustness.md): each cap is a 400 naming
+    # its field, each admission limit a 429 with Retry-After
+    max_prompts_per_request: int = 256  # prompts of one /v1/completions request
+    max_request_tokens: int = 1 << 20  # prompt tokens + n x max_tokens, over its prompts
+    max_tools: int = 128  # tools of one chat request (OpenAI's limit)
+    max_waiting_seqs: int = 512  # sequences waiting past a full batch before 429
+    max_waiting_seqs_per_client: int | None = None  # one client's share; None: half
+    fair_share_by: str = "address"  # who a client is: address, api-key, user or none
 
 
 @dataclass
@@ -71,6 +89,19 @@ class ServerState:
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
             max_num_seqs=core.config.max_num_seqs,
             engine_config=dataclasses.asdict(core.config))
+
+    @functools.cached_property
+    def admission(self) -> Admission:
+        return Admission(self.max_num_seqs, self.settings.max_waiting_seqs,
+                         self.settings.max_waiting_seqs_per_client, self.metrics)
+
+    @functools.cached_property
+    def prepare_pool(self) -> ThreadPoolExecutor:
+        """Threads that parse, validate, template and tokenize request bodies, off the event
+        loop: that work grows with the body (a 3.9 MB body of 800,000 prompts held every
+        client for 20 s when it ran on the loop)."""
+        return ThreadPoolExecutor(max_workers=PREPARE_WORKERS,
+                                  thread_name_prefix="tidal-prepare")
 
     @property
     def context_tokens(self) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from app.errors import bad_request
 from app.tool_parsers import ToolParser, default_parser, get_parser
 from core.structured_output import StructuredOutputsParams
+from core.structured_output.limits import GrammarError
 from core.structured_output.params import KINDS
 
 if TYPE_CHECKING:
@@ -24,6 +25,15 @@ class ToolUse:
     parser: ToolParser  # reads the calls out of the reply
 
 
+def spec_of(**constraint: Any) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(**constraint)``; one past the grammar size limits
+    (``core.structured_output.limits``) is a 400 naming its field."""
+    try:
+        return StructuredOutputsParams(**constraint)
+    except GrammarError as exc:
+        raise bad_request(str(exc), exc.param, code=exc.code) from None
+
+
 def from_response_format(value: Any) -> StructuredOutputsParams | None:
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema,
     strict}}`` as OpenAI takes it."""
@@ -33,14 +43,14 @@ def from_response_format(value: Any) -> StructuredOutputsParams | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True, field="response_format")
+        return spec_of(json_object=True, field="response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise bad_request("response_format.json_schema.schema must be a JSON schema "
                               "(an object)", "response_format.json_schema.schema")
-        return StructuredOutputsParams(json=schema, field="response_format.json_schema.schema")
+        return spec_of(json=schema, field="response_format.json_schema.schema")
     raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema', "
                       f"got {kind!r}", "response_format.type")
 
@@ -58,8 +68,7 @@ def from_structured_outputs(value: Any) -> StructuredOutputsParams | None:
                           "structured_outputs")
     (kind, constraint), = given.items()
     try:
-        return StructuredOutputsParams(**{kind: constraint},
-                                       field=f"structured_outputs.{kind}")
+        return spec_of(**{kind: constraint}, field=f"structured_outputs.{kind}")
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc), f"structured_outputs.{kind}") from None
 
@@ -90,7 +99,7 @@ def tool_constraint(state: ServerState, tools: list[dict[str, Any]] | None, tool
         message = str(exc)
         param = "tool_choice" if "tool_choice" in message else "tools"
         raise bad_request(message, param) from None
-    spec = None if tag is None else StructuredOutputsParams(structural_tag=tag, field="tools")
+    spec = None if tag is None else spec_of(structural_tag=tag, field="tools")
     return ToolUse(tools, parser), spec
 
 

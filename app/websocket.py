@@ -12,15 +12,27 @@ Frame protocol (JSON text frames; docs/api.md's "The websocket chat" section has
   "id", "error": {...}}``.
 
 One turn runs at a time per socket, as its own task, so the reader keeps reading frames (a
-cancel, or the socket closing) while the reply streams. A cancel frame aborts the request in the
-engine, which ends the turn with ``finish_reason: "abort"``; a closed socket cancels the turn's
-task, and leaving ``AsyncEngine.generate`` early aborts the request and frees its KV blocks.
+cancel, or the socket closing) while the turn is prepared and its reply streams. A cancel frame
+aborts the request in the engine, which ends the turn with ``finish_reason: "abort"``; a closed
+socket cancels the turn's task, and leaving ``AsyncEngine.generate`` early aborts the request
+and frees its KV blocks.
+
+A turn goes the HTTP chat's way (``serving.prepare_off_loop``): validated, templated,
+tokenized and its grammar checked on the ``prepare_pool``, never on the event loop (nor is a
+large frame parsed there), stamped with its client (``admission.client_key``: the peer
+address, the key presented in the header or the subprotocol, or the frame's ``user``), then
+admitted (``ServerState.admission``) or refused with a 429 error frame carrying
+``retry_after``; its reservation is given back when the turn ends, however it ends, before
+its terminal frame leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -34,25 +46,28 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from app.admission import bearer_token, client_key
 from app.errors import ApiError, bad_request
 from app.metrics import RequestTracker
 from app.protocol import PreparedRequest, prepare_chat_request
 from app.serving import (
     chat_logprobs,
-    check_grammar,
     generate,
+    prepare_off_loop,
     timed_out,
     timeout_error,
     usage,
 )
 from app.state import ServerState
-from core.lifecycle import Arrival
 from core.outputs import CompletionOutput
 from templates import TEMPLATES_DIR
 
 logger = logging.getLogger(__name__)
 
 WS_PATH = "/v1/chat/ws"
+# Frames up to this size are parsed on the event loop (a cancel frame must not queue behind other
+# clients' bodies on the prepare pool); larger ones on the pool (4 MiB of JSON takes ~50 ms).
+PARSE_ON_LOOP_BYTES = 64 << 10
 _page_env = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
                         autoescape=select_autoescape(["html"]))
 
@@ -66,26 +81,56 @@ async def chat_page(request: Request) -> Response:
 
 
 async def chat_websocket(websocket: WebSocket) -> None:
-    await websocket.accept()
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(subprotocol=PAGE_PROTOCOL if PAGE_PROTOCOL in offered else None)
     state = websocket.app.state.tidal
     socket = ChatSocket(websocket, state)
     if not _authorized(websocket, state.settings.api_key):
         await socket.send_error(ApiError(401, "a valid API key is required: send it as "
-                                         "'Authorization: Bearer <key>' or '?api_key=<key>'",
+                                         "'Authorization: Bearer <key>' or in the subprotocol "
+                                         f"'{KEY_PROTOCOL}<base64url of the key>'",
                                          code="invalid_api_key"))
         await websocket.close(code=1008)  # policy violation
         return
     await socket.serve()
 
 
+# Browsers cannot set headers on a websocket, so the page sends the key as a subprotocol it
+# offers beside ``tidal`` (the one the server picks, so the key is never echoed): never in the
+# URL, which logs and proxies keep.
+PAGE_PROTOCOL = "tidal"
+KEY_PROTOCOL = "tidal-key."
+
+
+def key_protocol(key: str) -> str:
+    """The subprotocol that carries ``key``: ``tidal-key.`` and its UTF-8 in unpadded
+    base64url (a subprotocol is an HTTP token, which a key's ``/`` or ``=`` would break)."""
+    return KEY_PROTOCOL + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
 def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
-    """Browsers cannot set headers on a websocket, so the key may also come in the query."""
+    """The key from ``Authorization: Bearer`` or the ``tidal-key.`` subprotocol."""
     if not api_key:
         return True
-    header = websocket.headers.get("authorization", "")
-    given = header[7:].strip() if header[:7].lower() == "bearer " else websocket.query_params.get(
-        "api_key", "")
-    return hmac.compare_digest(given.encode(), api_key.encode())
+    given = presented_key(websocket)
+    return bool(given) and hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def presented_key(websocket: WebSocket) -> str:
+    """The key the client presented: ``Authorization: Bearer <key>``, else the first
+    ``tidal-key.`` subprotocol decoded; "" without one (or one that does not decode)."""
+    token = bearer_token(websocket.headers)
+    if token:
+        return token
+    for protocol in websocket.scope.get("subprotocols") or []:
+        if protocol.startswith(KEY_PROTOCOL):
+            encoded = protocol[len(KEY_PROTOCOL):]
+            try:
+                return base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_",
+                                        validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                return ""
+    return ""
 
 
 @dataclass
@@ -108,6 +153,7 @@ class ChatSocket:
         self.turn: Turn | None = None
         self._task: asyncio.Task | None = None  # the latest turn's task
         self._send_lock = asyncio.Lock()
+        self._key = presented_key(websocket)  # who its turns count as, by --fair-share-by
 
     async def serve(self) -> None:
         try:
@@ -123,12 +169,17 @@ class ChatSocket:
 
     async def _on_frame(self, raw: str | bytes) -> None:
         limit = self.state.settings.max_request_bytes
-        if len(raw if isinstance(raw, bytes) else raw.encode()) > limit:
+        size = len(raw if isinstance(raw, bytes) else raw.encode())
+        if size > limit:
             await self.send_error(ApiError(413, f"the frame is larger than the limit of {limit}"
                                            " bytes", code="request_too_large"))
             return
         try:
-            frame = orjson.loads(raw)
+            if size <= PARSE_ON_LOOP_BYTES:
+                frame = orjson.loads(raw)
+            else:
+                frame = await asyncio.get_running_loop().run_in_executor(
+                    self.state.prepare_pool, orjson.loads, raw)
         except orjson.JSONDecodeError as exc:
             await self.send_error(_bad_frame(f"the frame is not valid JSON: {exc}"))
             return
@@ -158,22 +209,9 @@ class ChatSocket:
                 f"Invalid request: truncation: must be 'auto' or 'disabled', got "
                 f"{truncation!r}", "truncation"), turn.id)
             return
-        try:
-            # a turn always streams, so stream_options apply whatever "stream" says
-            prepared = prepare_chat_request(body | {"stream": True}, self.state,
-                                            require_model=False,
-                                            truncate=truncation == "auto")
-            prepared.arrival = Arrival(arrived, time.monotonic(), prepared.timeout)
-            await check_grammar(self.state, prepared.params)
-        except ApiError as exc:
-            await self.send_error(exc, turn.id)
-            return
-        except Exception as exc:  # noqa: BLE001 - one bad request must not end the socket
-            logger.exception("preparing a websocket chat request failed")
-            await self.send_error(_internal(exc), turn.id)
-            return
         self.turn = turn
-        self._task = asyncio.create_task(self._run_turn(turn, prepared))
+        self._task = asyncio.create_task(
+            self._run_turn(turn, body, arrived, truncate=truncation == "auto"))
 
     def _cancel(self) -> None:
         """Abort the turn in flight; the engine ends it with ``finish_reason: "abort"``. A
@@ -193,17 +231,40 @@ class ChatSocket:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _run_turn(self, turn: Turn, prep: PreparedRequest) -> None:
+    async def _run_turn(self, turn: Turn, body: dict[str, Any], arrived: float, *,
+                        truncate: bool) -> None:
+        """Prepare the turn off the loop, admit it (else a 429 error frame), stream it."""
+        ticket = None
         try:
-            terminal = await self._play(turn, prep)
+            try:
+                prep = await prepare_off_loop(
+                    self.state, arrived, functools.partial(_prepare_turn, body, self.state,
+                                                           truncate), self._client_of)
+                if not turn.cancelled:  # a cancel while it was prepared: nothing to admit
+                    ticket = self.state.admission.admit(prep.arrival.client,  # else 429
+                                                        prep.params.n)
+            except ApiError as exc:
+                terminal = _error_frame(exc, turn.id)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not end the socket
+                logger.exception("preparing a websocket chat request failed")
+                terminal = _error_frame(_internal(exc), turn.id)
+            else:
+                terminal = await self._play(turn, prep)
         finally:
-            # The request is over in the engine before the terminal frame leaves, so a client
-            # may send its next request as soon as it reads that frame.
+            # The request is over in the engine, and its sequences given back, before the
+            # terminal frame leaves, so a client may send its next request as soon as it
+            # reads that frame.
+            if ticket is not None:
+                ticket.release()
             if self.turn is turn:
                 self.turn = None
         if terminal is not None:
             with contextlib.suppress(_SocketGone):
                 await self._send(terminal)
+
+    def _client_of(self, body: dict[str, Any]) -> str:
+        return client_key(self.state.settings.fair_share_by, self.ws.scope, self.ws.headers,
+                          body, api_key=self._key)
 
     async def _play(self, turn: Turn, prep: PreparedRequest) -> dict[str, Any] | None:
         """Stream the turn's deltas; returns its terminal frame (``None``: the client left)."""
@@ -286,11 +347,24 @@ class _SocketGone(Exception):
     """The client closed the socket while a frame was being sent."""
 
 
+def _prepare_turn(body: dict[str, Any], state: ServerState, truncate: bool
+                  ) -> tuple[dict[str, Any], PreparedRequest]:
+    """On the prepare pool: the turn's frame validated, templated and tokenized."""
+    # a turn always streams, so stream_options apply whatever "stream" says
+    return body, prepare_chat_request(body | {"stream": True}, state, require_model=False,
+                                      truncate=truncate)
+
+
 def _error_frame(error: ApiError, turn_id: str | None) -> dict[str, Any]:
+    """``{"type": "error", "id", "error": {...}}``; a refusal to retry later (429) adds
+    ``"retry_after"``: seconds, as the HTTP API's ``Retry-After`` header."""
     frame: dict[str, Any] = {"type": "error"}
     if turn_id is not None:
         frame["id"] = turn_id
     frame.update(error.to_dict())
+    retry_after = (error.headers or {}).get("Retry-After")
+    if retry_after is not None:
+        frame["retry_after"] = int(retry_after)
     return frame
 
 

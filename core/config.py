@@ -66,6 +66,11 @@ class EngineConfig:
     # process; None: "mp" where tensor_parallel_size > 1, else "uni"
     distributed_executor_backend: str | None = None
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
+    # Grammar compiles (docs/robustness.md): threads compiling at once, seconds one may run
+    # (None: no limit), and bytes the compiled-grammar cache may hold
+    grammar_compile_workers: int = 4
+    grammar_compile_timeout: float | None = 15.0
+    grammar_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not (is_gguf_file(self.model) or (Path(self.model) / "config.json").is_file()):
@@ -78,7 +83,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_budget()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size", "nnodes"):
+                     "tensor_parallel_size", "nnodes", "grammar_compile_workers",
+                     "grammar_cache_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -89,6 +95,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive byte count, "
                              f"got {self.kv_cache_memory}")
+        if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be a positive number of seconds, "
+                             f"got {self.grammar_compile_timeout}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', "
                              f"got {self.kv_cache_dtype!r}")
@@ -147,5 +156,13 @@ def load_tokenizer(config: EngineConfig) -> Any:
         return AutoTokenizer.from_pretrained(config.tokenizer)
     if is_gguf_file(config.model):
         path = Path(config.model).resolve()
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:  # noqa: BLE001 - the parser's KeyError/IndexError on bad bytes
+            detail = (f"its metadata lacks tokenizer.ggml.{exc.args[0]}"
+                      if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: "
+                      f"{exc}")
+            raise ValueError(f"{config.model}: no tokenizer could be read from this GGUF file "
+                             f"(damaged or truncated, or without tokenizer.ggml.* metadata: "
+                             f"{detail}); --tokenizer DIR names one to use instead") from None
     return AutoTokenizer.from_pretrained(config.model)

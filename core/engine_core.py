@@ -47,6 +47,10 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_total_blocks: int
+    num_waiting_clients: int = 0  # clients with a request waiting (scheduler.FairQueue)
+    max_waiting_per_client: int = 0  # requests (sequences) the most-waiting client has queued
+    grammar_cache_bytes: int = 0  # the compiled-grammar cache's size estimate
+    grammar_compile_timeouts: int = 0  # compiles failed for running past their time limit
 
 
 class EngineCore:
@@ -70,8 +74,11 @@ class EngineCore:
         num_blocks = executor.determine_num_blocks()
         executor.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            compile_workers=config.grammar_compile_workers,
+            compile_timeout=config.grammar_compile_timeout,
+            cache_bytes=config.grammar_cache_bytes)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             async_scheduling=bool(config.async_scheduling),
@@ -143,7 +150,7 @@ class EngineCore:
         child_id = request_id if params.n == 1 else f"{request_id}-{index}"
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         request = Request(child_id, prompt_token_ids, params.clone(**changes), eos_token_id=eos,
-                          arrival_time=arrival.time)
+                          arrival_time=arrival.time, client=arrival.client)
         request.times.tokenized = arrival.tokenized
         return request
 
@@ -237,7 +244,11 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=kv.usage(), prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits, num_preemptions=self.scheduler.num_preemptions,
-            num_free_blocks=kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks)
+            num_free_blocks=kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
+            num_waiting_clients=self.scheduler.waiting.num_clients,
+            max_waiting_per_client=self.scheduler.waiting.max_per_client,
+            grammar_cache_bytes=self.structured.compiler.cache_size,
+            grammar_compile_timeouts=self.structured.compiler.num_timeouts)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""

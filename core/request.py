@@ -64,6 +64,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    client: str = ""  # who sent it: the scheduler takes waiting requests round-robin by client
     times: RequestTimes = field(init=False, repr=False)  # its lifecycle, stamped as it goes
 
     def __post_init__(self) -> None:

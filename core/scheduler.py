@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from core.lifecycle import RateLimitedWarning
 from core.outputs import TokenLogprobs
 from core.request import Request, RequestStatus
 from core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from core.waiting_queue import FairQueue
 
 if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
@@ -59,7 +59,7 @@ class Scheduler:
         self.kv = kv
         self.structured = structured
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
@@ -252,13 +252,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new: list[NewRequestData]) -> int:
-        """Admit waiting requests in order; those whose grammar is still compiling keep their
-        place without holding up the ones behind them."""
+        """Admit waiting requests in order (``FairQueue``: resumed ones first, then clients
+        in turn); those whose grammar is still compiling keep their place without holding up
+        the ones behind them."""
         compiling: list[Request] = []
         try:
             return self._admit(budget, num_scheduled, new, compiling)
         finally:
-            self.waiting.extendleft(reversed(compiling))
+            self.waiting.putback(compiling)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request may be admitted; one whose grammar failed is finished."""

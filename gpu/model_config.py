@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu.model_checks import ModelFileError, check_config_values, check_shape_rules
+
 # architecture name in config.json -> (qkv bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
@@ -49,8 +51,13 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
                              f"{path} does not exist")
-        raw = json.loads(path.read_text())
-        return cls.from_hf_dict(raw, _eos_ids(model_dir, raw))
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelFileError(f"{path}: not a readable JSON config: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ModelFileError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_hf_dict(raw, _eos_ids(model_dir, raw), str(path))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ModelConfig:
@@ -58,36 +65,52 @@ class ModelConfig:
         from gpu.checkpoints.gguf_file import hf_config
 
         raw = hf_config(path)
-        return cls.from_hf_dict(raw, raw["eos_token_id"])
+        return cls.from_hf_dict(raw, raw["eos_token_id"], str(path))
 
     @classmethod
-    def from_hf_dict(cls, raw: dict, eos_token_ids: list[int]) -> ModelConfig:
-        """From a ``config.json``'s contents."""
-        arch = (raw.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+    def from_hf_dict(cls, raw: dict, eos_token_ids: list[int],
+                     source: str = "config.json") -> ModelConfig:
+        """From a ``config.json``'s contents (``source`` names it in errors): each size
+        checked for range before anything is built from it (``gpu/model_checks.py``)."""
+        architectures = raw.get("architectures") or ["?"]
+        arch = architectures[0] if isinstance(architectures, list) else architectures
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        check_config_values(raw, source)
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if raw.get(key) is None:
+                raise ModelFileError(f"{source}: lacks {key}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelFileError(f"{source}: rope_scaling must be an object, got {rope!r}")
+        rope = dict(rope)
         heads = raw["num_attention_heads"]
-        return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            rope_scaling=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
-            qk_norm=qk_norm,
-            eos_token_ids=list(eos_token_ids),
-        )
+        try:
+            cfg = cls(
+                architecture=arch,
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_layers=raw["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                rope_scaling=rope,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
+                qk_norm=qk_norm,
+                eos_token_ids=list(eos_token_ids),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ModelFileError(f"{source}: a setting has the wrong type: {exc}") from None
+        check_shape_rules(cfg, source)
+        return cfg
 
     def kv_bytes_per_token(self, dtype_size: int, scale_size: int = 0) -> int:
         """Bytes of KV cache per token: a key and a value of ``dtype_size`` bytes an element,

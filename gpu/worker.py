@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from core.config import EngineConfig
 from gpu.distributed import TensorParallel, init_tensor_parallel, leave_tensor_parallel
+from gpu.model_checks import check_against_checkpoint, fit_context
 from gpu.model_config import ModelConfig
+from gpu.model_loader import resolve_dtype
 from gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def create_model_runner(config: EngineConfig) -> ModelRunner:
+    """The runner, once the model's files are checked against each other and the machine
+    (``gpu/model_checks.py``): a config the weights or the memory cannot back fails here, in
+    seconds, before anything is allocated; the context is clamped to what memory holds."""
     model_config = ModelConfig.load(config.model)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                       max_model_len, model_config.max_position_embeddings)
+    file_bytes = check_against_checkpoint(config.model, model_config)
+    itemsize = resolve_dtype(config.dtype, config.device).itemsize
+    max_model_len = fit_context(config, model_config, file_bytes, itemsize)
     return ModelRunner(config, model_config, max_model_len)
 
 

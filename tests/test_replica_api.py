@@ -129,7 +129,9 @@ def test_flush_cache_makes_a_repeated_prompt_miss(client: TestClient) -> None:
     _complete(client)
     hits_again, queries_again = _prefix_counters(client)
     assert queries_again > queries and hits_again - hits == 48  # three full blocks hit
-    for method in ("POST", "GET"):  # sglang-router posts; older clients get
+    # sglang-router posts; a GET, which any web page can make a browser send, changes nothing
+    assert client.get("/flush_cache").status_code == 405
+    for method in ("POST", "POST"):
         flushed = client.request(method, "/flush_cache")
         assert flushed.status_code == 200 and flushed.json()["flushed"] is True
         _complete(client)
@@ -190,14 +192,14 @@ def test_router_endpoints_take_the_api_key(model_dir: Path) -> None:
                                    api_key="sesame"))
     with TestClient(app) as client:
         for method, path in (("POST", "/flush_cache"), ("GET", "/get_server_info"),
-                             ("GET", "/get_model_info")):
+                             ("GET", "/get_model_info"), ("GET", "/load"), ("GET", "/get_load"),
+                             ("GET", "/metrics")):
             refused = client.request(method, path)
             assert refused.status_code == 401
             assert refused.json()["error"]["code"] == "invalid_api_key"
             auth = {"Authorization": "Bearer sesame"}
             assert client.request(method, path, headers=auth).status_code == 200
         assert client.get("/health").status_code == 200
-        assert client.get("/load").status_code == 200
 
 
 def test_a_dead_engine_fails_health_and_flush_with_openai_errors(model_dir: Path) -> None:

@@ -5,6 +5,8 @@ so the order of events (a cancel frame, the socket closing) is exact (the real s
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,13 +17,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 
+from app import websocket as websocket_module
 from app.chat_completions import chat_completions
 from app.chat_template import ChatTemplate
 from app.conversation import reply_room
 from app.errors import ApiError
 from app.metrics import ServerMetrics
 from app.state import ServerSettings, ServerState
-from app.websocket import chat_page, chat_websocket
+from app.websocket import chat_page, chat_websocket, key_protocol
 from core.async_engine import EngineDeadError
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
@@ -48,6 +51,7 @@ class ScriptedEngine:
         self.closed: list[str] = []
         self.started: list[str] = []
         self.prompts: list[list[int]] = []
+        self.arrivals: list[Any] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
     def abort(self, *request_ids: str) -> None:
@@ -62,6 +66,7 @@ class ScriptedEngine:
                        ) -> AsyncIterator[RequestOutput]:
         self.started.append(request_id)
         self.prompts.append(list(prompt_token_ids))
+        self.arrivals.append(arrival)
         self._abort_events[request_id] = event = asyncio.Event()
         if self.fail == "dead":
             raise EngineDeadError("the engine was shut down")
@@ -103,14 +108,15 @@ async def _api_error(request: Any, exc: Exception) -> JSONResponse:
 
 
 def _client(tokenizer: Any, engine: ScriptedEngine, api_key: str | None = None,
-            max_request_bytes: int = 1 << 20, max_model_len: int = 512) -> TestClient:
+            max_request_bytes: int = 1 << 20, max_model_len: int = 512,
+            **settings: Any) -> TestClient:
     app = Starlette(routes=[Route("/", chat_page), WebSocketRoute(WS_PATH, chat_websocket),
                             Route("/v1/chat/completions", chat_completions, methods=["POST"])],
                     exception_handlers={ApiError: _api_error})
     app.state.tidal = ServerState(
         engine=engine, tokenizer=tokenizer,
         settings=ServerSettings(served_model_name="tiny", api_key=api_key,
-                                max_request_bytes=max_request_bytes),
+                                max_request_bytes=max_request_bytes, **settings),
         metrics=ServerMetrics(), chat_template=ChatTemplate.for_tokenizer(tokenizer),
         max_model_len=max_model_len, vocab_size=len(tokenizer), kv_capacity_tokens=4096,
         max_num_seqs=8)
@@ -263,18 +269,24 @@ def test_scripted_oversized_frame_is_refused(tokenizer: Any) -> None:
 
 
 def test_scripted_api_key(tokenizer: Any) -> None:
-    with _client(tokenizer, ScriptedEngine(), api_key="sesame") as client:
-        for path, headers in ((WS_PATH, {}), (WS_PATH + "?api_key=wrong", {}),
-                              (WS_PATH, {"Authorization": "Bearer wrong"})):
-            with client.websocket_connect(path, headers=headers) as ws:
+    """The key comes in a header or the ``tidal-key.`` subprotocol, never in the URL."""
+    with _client(tokenizer, ScriptedEngine(), api_key="se/s+a=me") as client:
+        for path, headers, protocols in (
+                (WS_PATH, {}, ["tidal"]), (WS_PATH + "?api_key=se/s+a=me", {}, []),
+                (WS_PATH, {"Authorization": "Bearer wrong"}, []),
+                (WS_PATH, {}, ["tidal", key_protocol("wrong")])):
+            with client.websocket_connect(path, headers=headers, subprotocols=protocols) as ws:
                 error = ws.receive_json()
                 assert error["type"] == "error" and error["error"]["code"] == "invalid_api_key"
                 with pytest.raises(Exception) as closed:
                     ws.receive_json()
                 assert getattr(closed.value, "code", None) == 1008
-        for path, headers in ((WS_PATH + "?api_key=sesame", {}),
-                              (WS_PATH, {"Authorization": "Bearer sesame"})):
-            with client.websocket_connect(path, headers=headers) as ws:
+        for headers, protocols in (({"Authorization": "Bearer se/s+a=me"}, []),
+                                   ({}, ["tidal", key_protocol("se/s+a=me")])):
+            with client.websocket_connect(WS_PATH, headers=headers,
+                                          subprotocols=protocols) as ws:
+                # the page's protocol is picked, so the key is never echoed back
+                assert ws.accepted_subprotocol == ("tidal" if protocols else None)
                 ws.send_json({"messages": HELLO, "max_tokens": 1})
                 assert _turn(ws)[1]["type"] == "done"
 
@@ -424,3 +436,138 @@ def test_http_chat_completions_does_not_truncate(tokenizer: Any) -> None:
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"]["code"] == "context_length_exceeded"
     assert engine.started == []
+
+
+# -- admission control, client identity, preparation off the loop ---------------------------
+def _admitted(client: TestClient) -> tuple[float, float]:
+    """The admission gauges: sequences reserved, clients holding some."""
+    registry = client.app.state.tidal.metrics.registry
+    return (registry.get_sample_value("tidal:admitted_sequences"),
+            registry.get_sample_value("tidal:admitted_clients"))
+
+
+def _wait(check: Any, what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_scripted_refused_turn_gets_a_429_frame_and_the_socket_retries(
+        tokenizer: Any) -> None:
+    """The server's queue is full (8 sequences, none waiting): the next turn gets a 429
+    error frame with ``retry_after``; the socket stays open, and the same request goes
+    through once the first turn ends."""
+    engine = ScriptedEngine(hold=True)
+    with _client(tokenizer, engine, max_waiting_seqs=0, fair_share_by="user") as client, \
+            client.websocket_connect(WS_PATH) as first, \
+            client.websocket_connect(WS_PATH) as second:
+        first.send_json({"messages": HELLO, "max_tokens": 50, "n": 8, "user": "a"})
+        held = [first.receive_json() for _ in range(8)]
+        assert {f["type"] for f in held} == {"delta"}, held
+        assert _admitted(client) == (8, 1)
+        second.send_json({"messages": HELLO, "max_tokens": 2, "user": "b"})
+        deltas, refused = _turn(second)
+        assert deltas == [] and refused["type"] == "error", refused
+        assert refused["error"]["type"] == "rate_limit_error"
+        assert refused["error"]["code"] == "rate_limit_exceeded"
+        assert refused["retry_after"] == 1 and refused["id"].startswith("chatcmpl-")
+        assert refused["id"] not in engine.started and _admitted(client) == (8, 1)
+        first.send_json({"type": "cancel"})
+        _, done = _turn(first)
+        assert done["finish_reason"] == "abort"
+        assert _admitted(client) == (0, 0)  # given back before the done frame left
+        engine.hold = False
+        second.send_json({"messages": HELLO, "max_tokens": 2, "user": "b"})
+        deltas, done = _turn(second)
+        assert done["type"] == "done" and len(deltas) == 2, done
+        registry = client.app.state.tidal.metrics.registry
+        assert registry.get_sample_value("tidal:requests_rejected_total",
+                                         {"reason": "server"}) == 1
+    assert _admitted(client) == (0, 0)
+
+
+def test_scripted_admission_is_given_back_however_a_turn_ends(tokenizer: Any) -> None:
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine) as client:
+        with client.websocket_connect(WS_PATH) as ws:
+            ws.send_json({"messages": HELLO, "max_tokens": 2, "n": 3})  # finished
+            assert _turn(ws)[1]["type"] == "done"
+            assert _admitted(client) == (0, 0)
+            engine.fail = "error"  # failed in the engine
+            ws.send_json({"messages": HELLO, "max_tokens": 2})
+            assert _turn(ws)[1]["type"] == "error"
+            assert _admitted(client) == (0, 0)
+            engine.fail, engine.hold = None, True  # cancelled
+            ws.send_json({"messages": HELLO, "max_tokens": 50, "n": 2})
+            assert ws.receive_json()["type"] == "delta"
+            assert _admitted(client) == (2, 1)
+            ws.send_json({"type": "cancel"})
+            assert _turn(ws)[1]["finish_reason"] == "abort"
+            assert _admitted(client) == (0, 0)
+            ws.send_json({"messages": HELLO, "max_tokens": 50, "n": 4})  # the client leaves
+            assert ws.receive_json()["type"] == "delta"
+            assert _admitted(client) == (4, 1)
+        _wait(lambda: len(engine.closed) == 3, "the engine's stream closed")
+        _wait(lambda: _admitted(client) == (0, 0), "the reservation given back")
+
+
+def test_scripted_turns_carry_their_client(tokenizer: Any) -> None:
+    """The turn's client reaches the engine on ``Arrival.client``, by --fair-share-by as over
+    HTTP: the key from the header or the subprotocol counts as the same client."""
+    def hashed(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    cases = [("address", {}, [], {}, "testclient"),
+             ("api-key", {"Authorization": "Bearer k/e+y="}, [], {}, hashed("k/e+y=")),
+             ("api-key", {}, ["tidal", key_protocol("k/e+y=")], {}, hashed("k/e+y=")),
+             ("api-key", {}, [], {}, ""),
+             ("user", {}, [], {"user": "alice"}, "alice"),
+             ("none", {}, [], {"user": "alice"}, "")]
+    for fair_share_by, headers, protocols, extra, expected in cases:
+        engine = ScriptedEngine()
+        with _client(tokenizer, engine, fair_share_by=fair_share_by) as client, \
+                client.websocket_connect(WS_PATH, headers=headers,
+                                         subprotocols=protocols) as ws:
+            ws.send_json({"messages": HELLO, "max_tokens": 1, "timeout": 30} | extra)
+            assert _turn(ws)[1]["type"] == "done"
+        [arrival] = engine.arrivals
+        assert arrival.client == expected, fair_share_by
+        assert arrival.timeout == 30 and arrival.tokenized >= arrival.time
+
+
+def test_scripted_turns_are_prepared_on_the_pool(tokenizer: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templating and tokenizing run on the prepare pool; the reader keeps reading frames
+    meanwhile: a cancel while the turn is prepared ends it without queueing anything."""
+    threads: list[str] = []
+    release = threading.Event()
+    prepare = websocket_module.prepare_chat_request
+
+    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(websocket_module, "prepare_chat_request", slow_prepare)
+    engine = ScriptedEngine()
+    with _client(tokenizer, engine) as client, client.websocket_connect(WS_PATH) as ws:
+        ws.send_json({"messages": HELLO, "max_tokens": 2})
+        ws.send_json({"messages": HELLO})  # read while the first is prepared
+        busy = ws.receive_json()
+        assert busy["type"] == "error" and busy["error"]["code"] == "turn_in_flight", busy
+        ws.send_json({"type": "cancel"})
+        _wait(lambda: threads, "the turn being prepared")
+        release.set()
+        deltas, done = _turn(ws)
+        assert deltas == [] and done["finish_reason"] == "abort", done
+        assert engine.started == [] and _admitted(client) == (0, 0)
+        ws.send_json({"messages": HELLO, "max_tokens": 2})
+        assert _turn(ws)[1]["type"] == "done"
+        # a frame over 64 KiB is parsed on the pool too
+        ws.send_json({"messages": HELLO, "max_tokens": 2, "padding": "x" * (100 << 10)})
+        assert _turn(ws)[1]["type"] == "done"
+        ws.send_text("{" * (100 << 10))
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["error"]["code"] == "invalid_frame"
+    assert len(threads) == 3 and all(t.startswith("tidal-prepare") for t in threads), threads

@@ -16,7 +16,9 @@ from tests.live_server import (
     aborted,
     build_chat_model,
     finished,
+    metrics,
     running_server,
+    wait_metrics,
     wait_until_idle,
 )
 from tests.test_websocket import HELLO, WS_PATH
@@ -31,7 +33,10 @@ LONG_REQUEST = {"messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "temp
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("ws-server")
-    with running_server(build_chat_model(tmp / "model"), "--kv-cache-memory", "64MiB") as srv:
+    # admission: 4 running + 4 waiting in all, one client's share 4 + 2 (the turns here run one
+    # sequence at a time but for the refusal test's)
+    with running_server(build_chat_model(tmp / "model"), "--kv-cache-memory", "64MiB",
+                        "--max-num-seqs", "4", "--max-waiting-seqs", "4") as srv:
         yield srv.url
 
 
@@ -50,6 +55,16 @@ async def turn_frames(ws: Any) -> tuple[list[dict], dict]:
         if frame["type"] != "delta":
             return deltas, frame
         deltas.append(frame)
+
+
+def settled(base: str) -> dict:
+    """The engine idle and every turn's admission given back."""
+    return wait_metrics(base, lambda v: v["tidal:num_requests_running"] == 0
+                        and v["tidal:num_requests_waiting"] == 0
+                        and v["tidal:kv_cache_used_blocks"] == 0
+                        and v["tidal:admitted_sequences"] == 0
+                        and v["tidal:admitted_clients"] == 0,
+                        "the engine idle and every admission given back")
 
 
 def http_chat(base: str, body: dict) -> dict:
@@ -142,8 +157,36 @@ async def test_closing_the_socket_mid_turn_aborts_it(server: str) -> None:
         async with websockets.connect(ws_url(server)) as ws:
             await ws.send(json.dumps(LONG_REQUEST))
             assert (await recv(ws))["type"] == "delta"
-    # Each request was aborted, not run to its end: the handler saw no finish reason.
-    assert aborted(wait_until_idle(server)) == before + 3
+            held = await asyncio.to_thread(metrics, server)
+            assert held["tidal:admitted_sequences"] == 1, held
+    # Each request was aborted, not run to its end: the handler saw no finish reason; and
+    # each gave its admission back.
+    assert aborted(settled(server)) == before + 3
+
+
+@pytest.mark.integration
+async def test_a_refused_turn_gets_a_429_frame_and_the_socket_retries(server: str) -> None:
+    """One client holds 4 sequences; its turn of 3 more would pass its share (6): a 429
+    error frame with ``retry_after``, and the same turn goes through once the first ends."""
+    settled(server)
+    async with websockets.connect(ws_url(server)) as first, \
+            websockets.connect(ws_url(server)) as second:
+        await first.send(json.dumps(LONG_REQUEST | {"n": 4}))
+        assert (await recv(first))["type"] == "delta"
+        turn = {"messages": HELLO, "max_tokens": 2, "n": 3, "ignore_eos": True}
+        await second.send(json.dumps(turn))
+        deltas, refused = await turn_frames(second)
+        assert deltas == [] and refused["type"] == "error", refused
+        assert refused["error"]["code"] == "rate_limit_exceeded" and refused["retry_after"] == 1
+        assert refused["error"]["type"] == "rate_limit_error" and refused["id"]
+        await first.send(json.dumps({"type": "cancel"}))
+        _, done = await turn_frames(first)
+        assert done["type"] == "done" and done["finish_reason"] == "abort", done
+        await second.send(json.dumps(turn))
+        deltas, done = await turn_frames(second)
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == 6, done
+    values = settled(server)
+    assert values['tidal:requests_rejected_total{reason="client"}'] >= 1
 
 
 @pytest.mark.integration

@@ -1,6 +1,13 @@
-"""Grammars compiled by xgrammar on a small thread pool, never on the engine thread, with a
+"""Grammars compiled by xgrammar on a few worker threads, never on the engine thread, with a
 cache keyed by the grammar (the compiler is built for one tokenizer, so the key needs no
 tokenizer part). A failed compile is cached too: the same bad schema fails at once.
+
+Compiles are bounded three ways (docs/robustness.md): their size before they start
+(``limits``, checked when the request's ``StructuredOutputsParams`` is built), their time
+(a compile still running ``timeout`` seconds after it started fails with a ``GrammarError``,
+and a worker takes its place while it finishes, so a slow grammar does not hold up the others),
+and the cache's memory (``cache_bytes``, by each compiled grammar's own size estimate; least
+recently used first out). xgrammar's own compiler cache, which has no bound, is off.
 
 xgrammar rather than llguidance: see ``bench/grammar_backends.py`` and docs/structured-outputs.md
 for what was measured on this project's vocabularies.
@@ -8,21 +15,29 @@ for what was measured on this project's vocabularies.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
+import queue
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from core.structured_output.limits import GrammarError
 from core.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
-CACHE_ENTRIES = 512
+DEFAULT_COMPILE_TIMEOUT = 15.0  # seconds a compile may run
+DEFAULT_COMPILE_WORKERS = 4
+DEFAULT_CACHE_BYTES = 256 << 20
+ENTRY_OVERHEAD = 512  # bytes charged per cache entry besides the grammar (key, future, node)
 DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 # a character a JSON string may hold unescaped (no control character, quote or backslash),
 # as ranges of code points: xgrammar turns those into exact UTF-8 byte ranges, where ``.`` or
@@ -31,31 +46,47 @@ DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, n
 JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\U0010FFFF]"
 
 
-class GrammarError(ValueError):
-    """A grammar that does not compile; ``param`` names the request field it came from."""
+class _Job:
+    __slots__ = ("spec", "future", "key", "started")
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, spec: StructuredOutputsParams, future: Future, key: tuple[str, str]
+                 ) -> None:
+        self.spec, self.future, self.key = spec, future, key
+        self.started: float | None = None
 
 
 class GrammarCompiler:
     """JSON is compiled in one layout, ``{"key": value, ...}`` on one line (OpenAI's, and what
     models mostly write): free whitespace lets a model fill ``max_tokens`` with newlines.
 
-    Compiles on one worker thread. xgrammar is imported, and the tokenizer's vocabulary
-    read, by the first compile: a server that never sees a constrained request pays neither
-    (the import alone takes seconds)."""
+    Compiles on ``workers`` threads (xgrammar releases the GIL while it compiles). xgrammar is
+    imported, and the tokenizer's vocabulary read, by the first compile: a server that never
+    sees a constrained request pays neither (the import alone takes seconds)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 threads: int = 2) -> None:
+                 threads: int = 2, *, workers: int = DEFAULT_COMPILE_WORKERS,
+                 timeout: float | None = DEFAULT_COMPILE_TIMEOUT,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.vocab_size = vocab_size
+        self.workers, self.timeout, self.cache_bytes = max(1, workers), timeout, cache_bytes
         self._tokenizer, self._stop_token_ids, self._threads = tokenizer, stop_token_ids, threads
         self._compiler: xgr.GrammarCompiler | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-grammar")
+        self._setup_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # bytes charged per cache entry
+        self.cache_size = 0  # bytes of all entries
         self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads_alive = 0
+        self._stuck = 0  # workers still inside a compile that ran past the time limit
+        self._deadlines: list[tuple[float, int, _Job]] = []  # running compiles, for the watchdog
+        self._order = itertools.count()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self.num_timeouts = 0
+        self._watchdog: threading.Thread | None = None
 
+    # -- the cache ----------------------------------------------------------------------
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar of ``spec`` as a future (done at once when cached). Its
         exception is a ``GrammarError``."""
@@ -65,11 +96,118 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, spec)
+            future = Future()
+            future.set_running_or_notify_cancel()
             self._cache[key] = future
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-            return future
+            self._charge(key, ENTRY_OVERHEAD)
+            self._start_workers()
+        self._jobs.put(_Job(spec, future, key))
+        return future
+
+    def _charge(self, key: tuple[str, str], size: int) -> None:
+        """Set ``key``'s entry's size, then evict the least recently used entries (never the
+        one just charged) until the cache is within its bound. Holds ``_lock``."""
+        self.cache_size += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        while self.cache_size > self.cache_bytes and len(self._cache) > 1:
+            oldest = next(iter(self._cache))
+            if oldest == key:
+                self._cache.move_to_end(key)
+                oldest = next(iter(self._cache))
+            self._cache.pop(oldest)
+            self.cache_size -= self._sizes.pop(oldest)
+        if self.cache_size > self.cache_bytes:  # a grammar larger than the whole cache
+            self._cache.pop(key, None)
+            self.cache_size -= self._sizes.pop(key)
+
+    def _settle(self, job: _Job, result: Any, error: BaseException | None) -> bool:
+        """A compile ended: its future's result and its entry's size, unless the watchdog
+        failed it first. Returns whether this worker should leave: it was replaced while its
+        compile ran over time, and the workers are enough without it."""
+        with self._lock:
+            if job.future.done():  # failed by the watchdog: this worker was counted stuck
+                self._stuck -= 1
+                if self._threads_alive - self._stuck > self.workers:
+                    self._threads_alive -= 1
+                    return True
+                return False
+            if self._cache.get(job.key) is job.future:  # charged before anyone sees it
+                size = ENTRY_OVERHEAD
+                if error is None:
+                    size += int(getattr(result, "memory_size_bytes", 0) or 0)
+                self._charge(job.key, size)
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+            return False
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    # -- the workers --------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        """Enough workers that ``workers`` of them are free of over-time compiles (holds
+        ``_lock``)."""
+        while self._threads_alive - self._stuck < self.workers and not self._closed:
+            self._threads_alive += 1
+            threading.Thread(target=self._work, name="tidal-grammar", daemon=True).start()
+        if self.timeout is not None and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="tidal-grammar-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                with self._lock:
+                    self._threads_alive -= 1
+                return
+            try:  # xgrammar's import and the vocabulary: not the grammar's time
+                self._ensure_compiler()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+                self._settle(job, None, exc)
+                continue
+            with self._lock:
+                job.started = time.monotonic()
+                if self.timeout is not None:
+                    heapq.heappush(self._deadlines, (job.started + self.timeout,
+                                                     next(self._order), job))
+                    self._wake.notify()
+            try:
+                result, error = self._compile(job.spec), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+                result, error = None, exc
+            if self._settle(job, result, error):
+                return
+
+    def _watch(self) -> None:
+        """Fail every compile still running ``timeout`` seconds after it started (a cached
+        failure: the same grammar fails at once next time), and start a worker in its place:
+        xgrammar cannot be interrupted, so the thread finishes the compile and then leaves."""
+        assert self.timeout is not None
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                while self._deadlines and (self._deadlines[0][2].future.done()
+                                           or self._deadlines[0][0] <= now):
+                    _, _, job = heapq.heappop(self._deadlines)
+                    if job.future.done():
+                        continue
+                    self.num_timeouts += 1
+                    job.future.set_exception(GrammarError(
+                        f"{job.spec.field} did not compile within {self.timeout:g} s; "
+                        "simplify it", job.spec.field, code="grammar_too_complex"))
+                    self._stuck += 1
+                    logger.warning("a grammar compile passed %.1f s (%s); a worker replaces it",
+                                   self.timeout, job.spec.field)
+                    # the compile goes on on the stuck worker: twice the workers at most
+                    if self._threads_alive < 2 * self.workers:
+                        self._start_workers()
+                wait = self._deadlines[0][0] - now if self._deadlines else None
+                self._wake.wait(wait)
 
     def _setup(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr
@@ -78,11 +216,16 @@ class GrammarCompiler:
             self._tokenizer, vocab_size=self.vocab_size,
             stop_token_ids=self._stop_token_ids or None)
         logger.info("structured outputs: xgrammar over a %d-token vocabulary", self.vocab_size)
-        return xgr.GrammarCompiler(info, max_threads=self._threads)
+        # no cache of its own: it has no bound, and ours does the job
+        return xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
+
+    def _ensure_compiler(self) -> None:
+        with self._setup_lock:
+            if self._compiler is None:
+                self._compiler = self._setup()
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        if self._compiler is None:
-            self._compiler = self._setup()
+        self._ensure_compiler()
         try:
             return self._compile_kind(spec)
         except Exception as exc:  # noqa: BLE001 - every failure is the request's grammar
@@ -108,7 +251,20 @@ class GrammarCompiler:
         return c.compile_structural_tag(structural_tag_json(tag))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            alive = self._threads_alive
+            self._wake.notify_all()
+        while True:  # queued compiles fail rather than hang their waiters
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._settle(job, None, GrammarError("the engine is shutting down",
+                                                     job.spec.field))
+        for _ in range(alive):
+            self._jobs.put(None)
 
 
 def bounded_strings(schema: Any) -> Any:

@@ -10,15 +10,26 @@ from typing import TYPE_CHECKING, Any
 
 from core.request import Request
 from core.scheduler_output import GrammarBitmask
-from core.structured_output.compiler import GrammarCompiler, GrammarError
+from core.structured_output.compiler import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_COMPILE_TIMEOUT,
+    DEFAULT_COMPILE_WORKERS,
+    GrammarCompiler,
+    GrammarError,
+)
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 compile_workers: int = DEFAULT_COMPILE_WORKERS,
+                 compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids,
+                                        workers=compile_workers, timeout=compile_timeout,
+                                        cache_bytes=cache_bytes)
         self.vocab_size = vocab_size
         self._pending: dict[str, Future] = {}  # request id -> its grammar, compiling
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request id -> running matcher

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from core.structured_output import limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -13,7 +16,11 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of the constraints. ``field`` is the request field it came from, named in
-    the error when the grammar does not compile (``response_format``, ``tools``, ...)."""
+    the error when the grammar does not compile (``response_format``, ``tools``, ...).
+
+    Construction checks the constraint's size (``limits``: a ``GrammarError`` naming
+    ``field``) and computes its cache key, so both happen where the request is prepared, off
+    the event loop, and ``key()`` costs nothing wherever it is asked."""
 
     json: dict | str | None = None  # a JSON schema
     json_object: bool = False  # any JSON object
@@ -38,14 +45,31 @@ class StructuredOutputsParams:
                 raise ValueError(f"{self.field}.{name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"{self.field}.json must be a JSON schema (an object)")
+        object.__setattr__(self, "_key", self._checked_key())
+
+    def _checked_key(self) -> tuple[str, str]:
+        """The size limits, then the cache key: the kind and a digest of the canonical text
+        (a digest, so a large schema is not held twice by the cache)."""
+        kind, field = self.kind, self.field
+        value: Any = getattr(self, kind)
+        if kind in ("json", "structural_tag"):
+            if isinstance(value, str):
+                limits.check_text(value, field)  # its length, before parsing it
+                value = limits.parse_json(value, field)
+            limits.check_document(value, field)
+        elif kind in ("regex", "grammar"):
+            limits.check_text(value, field, rules=kind == "grammar")
+        elif kind == "choice":
+            limits.check_choices(value, field)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return kind, hashlib.sha256(str(value).encode()).hexdigest()
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """What identifies the grammar in the compile cache: its kind and canonical text."""
-        value: Any = getattr(self, self.kind)
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
-        return self.kind, str(value)
+        """What identifies the grammar in the compile cache: its kind and a digest of its
+        canonical text (computed at construction)."""
+        return self._key  # type: ignore[attr-defined]

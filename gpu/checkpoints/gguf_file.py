@@ -53,8 +53,16 @@ NOT_WEIGHTS = ("rope_freqs.weight",)  # read into the config (``hf_config``)
 @lru_cache(maxsize=2)
 def open_reader(path: str) -> GGUFReader:
     """The file's reader, parsed once per process (the config, the weights and the tokenizer
-    all ask; parsing a 150,000-token vocabulary's metadata takes a while)."""
-    return GGUFReader(path)
+    all ask; parsing a 150,000-token vocabulary's metadata takes a while). A file the parser
+    cannot read (damaged, truncated: numpy's errors as it walks the bytes) is a ``ValueError``
+    that names it."""
+    try:
+        return GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever numpy raises on bytes that are wrong
+        raise ValueError(f"{path}: not a readable GGUF file (damaged or truncated?): "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 def hf_name(name: str) -> str | None:
@@ -124,8 +132,14 @@ class Metadata:
                              f"(it serves {', '.join(ARCHITECTURES)})")
 
     def get(self, key: str, default: Any = None, prefixed: bool = True) -> Any:
-        field = self.reader.get_field(f"{self.arch}.{key}" if prefixed else key)
-        return default if field is None else field.contents()
+        name = f"{self.arch}.{key}" if prefixed else key
+        field = self.reader.get_field(name)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:  # noqa: BLE001 - a damaged field's bytes
+            raise ValueError(f"GGUF metadata {name} is damaged: {exc}") from None
 
     def int(self, key: str, default: int | None = None) -> int:
         value = self.get(key, default)
@@ -135,6 +149,9 @@ class Metadata:
             value = value[0]
         if value is None:
             raise ValueError(f"GGUF metadata lacks {self.arch}.{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"GGUF metadata {self.arch}.{key} must be an integer, "
+                             f"got {value!r}")
         return int(value)
 
     def float(self, key: str, default: float) -> float:
@@ -147,7 +164,16 @@ class Metadata:
 
 
 def hf_config(path: str | Path) -> dict[str, Any]:
-    """What a Hugging Face ``config.json`` of this model would hold, from the metadata."""
+    """What a Hugging Face ``config.json`` of this model would hold, from the metadata;
+    a setting missing or of the wrong kind is a ``ValueError`` naming the file and key."""
+    try:
+        return _hf_config(path)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if str(path) in message else f"{path}: {message}") from None
+
+
+def _hf_config(path: str | Path) -> dict[str, Any]:
     meta = Metadata(open_reader(str(path)))
     heads = meta.int("attention.head_count")
     hidden = meta.int("embedding_length")
