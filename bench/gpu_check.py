@@ -9,15 +9,16 @@ limit, so a hung step is killed, recorded as a failure, and the next one still r
 2. ``suite``: the GPU test suite, ``TIDAL_TEST_DEVICE=cuda pytest -m gpu`` on 8 xdist workers;
 3. ``roofline``: ``bench.decode_roofline`` on a reduced sweep (step, forward and roofline ms);
 4. ``profile``: ``bench.kernel_profile``, the kernels of one eager decode step;
-5. ``matmul``: ``bench.matmul_roofline``, the decode GEMMs against their bytes and a prefill
-   chunk against the matmul rate;
-6. ``roofline-int4`` and ``roofline-torch``: the roofline of the 1B shape in int4, and of the
-   decode with torch's element-wise ops (``TIDAL_GPU_KERNELS=off``) in place of the fused
-   kernels, the baseline they are measured against;
-7. ``throughput``: ``bench.offline_throughput``, ``LLM.generate`` against HF ``generate``;
-8. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
+5. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
    asked for greedy completions with the official ``openai`` client, against the same prompts
    on the CPU (``core.LLM``).
+
+Named with ``--only``, which the default run leaves out for its budget, the performance steps:
+``matmul`` (``bench.matmul_roofline``: the decode GEMMs against their bytes and a prefill chunk
+against the matmul rate), ``roofline-int4`` (the 1B shape with int4 linears),
+``roofline-torch`` (the decode with torch's element-wise ops, ``TIDAL_GPU_KERNELS=off``: the
+fused kernels' baseline) and ``throughput`` (``bench.offline_throughput``: ``LLM.generate``
+against HF ``generate``).
 
 The report, ``bench/results/gpu_check-<gpu>.md`` (and ``$OUT/gpu_check.md`` where ``OUT`` is
 set), is rewritten after every step, so a run killed midway still leaves what it measured. The
@@ -27,6 +28,8 @@ suite's whole log goes to ``$OUT/gpu_suite.log``, each other step's to
     python -m bench.gpu_check --commit SHA               # the whole check on a GPU machine
     python -m bench.gpu_check --packages                  # the wheels to carry, name==version
     python -m bench.gpu_check --only served --served int4
+    python -m bench.gpu_check --only roofline --only profile --only matmul --only roofline-int4 \
+        --only roofline-torch --only throughput      # the performance figures
     python -m bench.gpu_check --device cpu --skip suite   # a rehearsal on the CPU (tiny models)
 
 The orchestrating process never initializes CUDA: the header (GPU, driver, versions) comes
@@ -56,8 +59,10 @@ from bench.pytest_summary import parse_pytest, suite_body
 from bench.served_twins import NEAR_TIE, run_served, served_table
 
 RESULTS_DIR = ROOT / "bench" / "results"
-STEPS = ("packages", "suite", "roofline", "profile", "matmul", "roofline-int4",
-         "throughput", "roofline-torch", "served")
+STEPS = ("packages", "suite", "roofline", "profile", "served")
+# Further measurements, run when named with --only (beside the default steps they would not
+# fit the default budget): a run of its own for the performance figures.
+MORE_STEPS = ("matmul", "roofline-int4", "roofline-torch", "throughput")
 BUDGET_S = 470.0  # the whole check, header included: under eight minutes
 # Each step's own time limit, and the least a later step keeps back from the ones before it.
 LIMITS_S = {"header": 60, "packages": 90, "suite": 300, "roofline": 150, "profile": 120,
@@ -67,7 +72,7 @@ RESERVES_S = {"header": 20, "packages": 20, "suite": 60, "roofline": 75, "profil
               "matmul": 45, "roofline-int4": 40, "throughput": 60, "roofline-torch": 40,
               "served": 60}
 MIN_LIMIT_S = 5.0  # with less of the budget left, no step is started
-SUITE_ARGS = ["-m", "gpu", "-rfEs", "-q", "-n", "8", "--dist", "loadfile",
+SUITE_ARGS = ["-m", "gpu", "-rfEs", "-v", "-n", "8", "--dist", "loadfile",
               "-p", "no:cacheprovider"]
 # About a minute on an H100 (two shapes' builds and graph captures, then 16 steps a batch).
 ROOFLINE_ARGS = ["--shapes", "qwen2.5-0.5b,llama-3.2-1b", "--batches", "1,64,128", "--steps",
@@ -82,9 +87,10 @@ ROOFLINE_VARIANTS = {
 MATMUL_ARGS = ["--shape", "llama-3.2-1b"]
 # 512 prompts of 64-256 tokens, 128 out, through LLM.generate and through HF generate
 THROUGHPUT_ARGS = ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16", "--num-prompts", "512",
-                   "--max-num-seqs", "256", "--hf-batch-size", "128"]
+                   "--max-num-seqs", "256", "--hf-batch-size", "128", "--no-floor"]
 THROUGHPUT_CPU_ARGS = ["--num-prompts", "8", "--min-len", "8", "--max-len", "16",
-                       "--output-len", "8", "--max-num-seqs", "8", "--hf-batch-size", "8"]
+                       "--output-len", "8", "--max-num-seqs", "8", "--hf-batch-size", "8",
+                       "--no-floor"]
 PROFILE_ARGS = ["--shape", "llama-3.2-1b", "--batch", "1", "--batch", "64"]
 
 
@@ -203,7 +209,7 @@ def step_suite(check: Check, limit_s: float) -> StepResult:
     outcome = parse_pytest(run.output)
     counts = ", ".join(f"{n} {w}" for w, n in outcome.counts.items()) or "no counts"
     if run.timed_out:
-        status, how = "timeout", f"killed at its {limit_s:.0f} s limit"
+        status, how = "timeout", f"killed at its {limit_s:.0f} s limit, counts so far"
     else:
         status = "passed" if run.returncode == 0 else "failed"
         how = f"pytest exited with {run.returncode}"
@@ -438,14 +444,15 @@ def run_steps(check: Check, steps: list[Step]) -> list[StepResult]:
 
 
 def selected_steps(args: argparse.Namespace) -> list[Step]:
-    names = [s for s in STEPS if (not args.only or s in args.only) and s not in args.skip]
+    names = [s for s in (*STEPS, *MORE_STEPS)
+             if (s in args.only if args.only else s in STEPS) and s not in args.skip]
     return [Step(name, STEP_FUNCTIONS[name]) for name in names]
 
 
 def parse_limit(text: str) -> tuple[str, float]:
     name, _, seconds = text.partition("=")
     if name not in LIMITS_S or not seconds:
-        raise argparse.ArgumentTypeError(f"expected STEP=SECONDS, STEP one of {STEPS}: {text!r}")
+        raise argparse.ArgumentTypeError(f"expected STEP=SECONDS, STEP one of {LIMITS_S}: {text!r}")
     return name, float(seconds)
 
 
@@ -454,10 +461,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--packages", nargs="?", const="carry", choices=["carry", "all"],
                     help="print the packages' name==version lines and exit: the wheels to carry "
                     "(default), or all of them with the preinstalled ones")
-    ap.add_argument("--skip", action="append", default=[], choices=STEPS, metavar="STEP",
+    ap.add_argument("--skip", action="append", default=[], choices=(*STEPS, *MORE_STEPS),
+                    metavar="STEP",
                     help=f"leave out a step, repeatable: {', '.join(STEPS)}")
-    ap.add_argument("--only", action="append", default=[], choices=STEPS, metavar="STEP",
-                    help="run only this step, repeatable")
+    ap.add_argument("--only", action="append", default=[], choices=(*STEPS, *MORE_STEPS),
+                    metavar="STEP", help="run only this step, repeatable; also "
+                    f"{', '.join(MORE_STEPS)}, which the default run leaves out")
     ap.add_argument("--device", default="cuda", help="'cpu' rehearses the check on tiny models")
     ap.add_argument("--commit", help="the commit checked (default: git rev-parse HEAD)")
     ap.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the report goes")

@@ -100,6 +100,20 @@ def test_pytest_output_gives_counts_failures_and_skips() -> None:
     assert parse_pytest("killed halfway\n").final_line == ""
 
 
+def test_a_killed_suite_still_names_its_failures_so_far() -> None:
+    """pytest ``-v`` under xdist prints a line per test; a run killed before its summary is
+    read from those."""
+    output = ("bringing up nodes...\n"
+              "[gw0] [  1%] PASSED tests/test_a.py::test_one \n"
+              "[gw1] [  2%] FAILED tests/test_b.py::test_two[bf16] \n"
+              "[gw0] [  3%] SKIPPED tests/test_a.py::test_cpu \n"
+              "[gw1] [  4%] ERROR tests/test_b.py::test_three \n")
+    outcome = parse_pytest(output)
+    assert outcome.counts == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1}
+    assert outcome.failures == ["FAILED tests/test_b.py::test_two[bf16]",
+                                "ERROR tests/test_b.py::test_three"]
+
+
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path: Path) -> None:
     script = ("import subprocess, sys, time\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
