@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -136,6 +137,8 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted: list[Request] = []
         self._now = time.monotonic()
+        self._make_room_for_waiting_clients(preempted)
+        fairness_preemptions = len(preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -161,7 +164,7 @@ class Scheduler:
             budget -= cost
             i += 1
 
-        if not preempted:
+        if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
             budget = self._admit_waiting(budget, num_scheduled, new)
 
         output = SchedulerOutput(
@@ -174,6 +177,37 @@ class Scheduler:
         )
         self._finished_ids = set()
         return output
+
+    def _fair_share(self) -> int | None:
+        """The batch slots each client may hold while several have requests running or
+        waiting (None with one client: it may take them all)."""
+        clients = {r.client for r in self.running}.union(self.waiting.clients)
+        if len(clients) <= 1:
+            return None
+        return max(1, self.config.max_num_seqs // len(clients))
+
+    def _make_room_for_waiting_clients(self, preempted: list[Request]) -> None:
+        """With the batch full, each waiting client below its fair share of the slots takes
+        one from the client most above it: that client's latest request is preempted (its
+        KV recomputed, or found in the prefix cache, when it resumes). One client's flood of
+        sequences then delays another client's request by a step, not by the flood's whole
+        generation."""
+        share = self._fair_share()
+        if share is None or len(self.running) < self.config.max_num_seqs:
+            return
+        counts = Counter(r.client for r in self.running)
+        for client in self.waiting.clients:
+            if counts[client] >= share:
+                continue
+            greedy, most = counts.most_common(1)[0]
+            if most <= share:
+                return
+            victim = next(r for r in reversed(self.running) if r.client == greedy)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
+            counts[greedy] -= 1
+            counts[client] += 1  # the slot it is about to take
 
     def _schedule_tokens(self, request: Request, n: int, num_scheduled: dict[str, int]) -> None:
         """Count ``n`` tokens of ``request`` as computed by this step."""
@@ -271,7 +305,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             return True
         if ready is not False:  # the compile's error
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.error = str(ready)
             self._finish(request, RequestStatus.FINISHED_ERROR)
             self._grammar_failures.append(request)
@@ -279,11 +313,20 @@ class Scheduler:
 
     def _admit(self, budget: int, num_scheduled: dict[str, int], new: list[NewRequestData],
                compiling: list[Request]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        share = self._fair_share()
+        counts = Counter(r.client for r in self.running) if share is not None else Counter()
+
+        def below_share(client: str) -> bool:
+            return share is None or counts[client] < share
+
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.first(below_share)
+            if request is None:
+                break
             if not self._grammar_ready(request):
-                if self.waiting and self.waiting[0] is request:
-                    compiling.append(self.waiting.popleft())
+                if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                    self.waiting.take(request)
+                    compiling.append(request)
                 continue
             if request.num_output_placeholders:
                 break  # preempted while a step was in flight: resume once its token is in
@@ -292,7 +335,8 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, n, hits, num_hit)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.take(request)
+            counts[request.client] += 1
             times = request.times
             if request.status == RequestStatus.PREEMPTED:
                 times.events.append(("resumed", self._now))

@@ -4,7 +4,7 @@ client so that no client's backlog starves another's."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from core.request import Request, RequestStatus
 
@@ -114,4 +114,37 @@ class FairQueue:
                 del self._lanes[request.client]
         else:
             self._front.remove(request)  # ValueError if it is in neither, as deque's
+        self._len -= 1
+
+    @property
+    def clients(self) -> list[str]:
+        """The clients with a request waiting, resumed ones included, in taking order."""
+        seen = dict.fromkeys(r.client for r in self._front)
+        seen.update(dict.fromkeys(self._lanes))
+        return list(seen)
+
+    def first(self, allowed: Callable[[str], bool]) -> Request | None:
+        """The next request ``popleft`` would take among those whose client is ``allowed``
+        (the resumed ones first, then each lane's head in turn), or None."""
+        for request in self._front:
+            if allowed(request.client):
+                return request
+        for client, lane in self._lanes.items():
+            if allowed(client):
+                return lane[0]
+        return None
+
+    def take(self, request: Request) -> None:
+        """Take ``request``, a resumed one or the head of its lane (as ``first`` returns
+        them); its client's turn then passes to the next client, as in ``popleft``."""
+        lane = self._lanes.get(request.client)
+        if lane and lane[0] is request:
+            lane.popleft()
+            self._len -= 1
+            if lane:
+                self._lanes.move_to_end(request.client)
+            else:
+                del self._lanes[request.client]
+            return
+        self._front.remove(request)  # ValueError if it is neither
         self._len -= 1

@@ -54,6 +54,7 @@ workload = st.fixed_dictionaries({
     "abort_rate": st.floats(0.0, 0.2),
     "caching": st.booleans(),
     "attention_cost_context": st.sampled_from([0, 1, 8, 64]),
+    "clients": st.integers(1, 3),  # several: the fair share of batch slots preempts too
 })
 
 
@@ -72,7 +73,9 @@ def test_random_workload_finishes_everything_and_leaks_no_block(w):
                                                            for _ in range(rng.randint(1, 40))]
         params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5,
                                 stop_token_ids=[7] if rng.random() < 0.3 else [])
-        requests.append(Request(str(i), prompt, params, eos_token_id=3))
+        requests.append(Request(str(i), prompt, params, eos_token_id=3,
+                                client=str(rng.randrange(w["clients"]))))
+
     def forward(out: SchedulerOutput) -> ModelRunnerOutput:
         assert out.total_num_scheduled_tokens <= w["budget"]
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
@@ -198,3 +201,39 @@ def test_stop_conditions():
     ups = s.update_from_output(ModelRunnerOutput(["min", "ign"], [3, 3]))
     assert {u.request.request_id: u.request.finish_reason for u in ups} == {
         "min": "stop", "ign": "length"}
+
+
+def _decode_once(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    done = [r for r in out.num_scheduled_tokens
+            if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
+    s.update_from_output(ModelRunnerOutput(done, [5] * len(done)))
+    return out
+
+
+def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
+    """Client A's eight sequences fill the four slots; B's one request is running after the
+    next step, by the preemption of A's latest, and A does not win its slot back while B
+    holds its share."""
+    s = _scheduler(num_blocks=64, budget=32, max_num_seqs=4)
+    for i in range(8):
+        s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
+    for _ in range(3):
+        _decode_once(s)
+    assert [r.request_id for r in s.running] == ["a0", "a1", "a2", "a3"]
+    s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=50), client="B"))
+    out = _decode_once(s)
+    assert "b" in out.num_scheduled_tokens and out.preempted_req_ids == {"a3"}
+    assert sorted(r.request_id for r in s.running) == ["a0", "a1", "a2", "b"]
+    for _ in range(3):
+        out = _decode_once(s)
+        assert not out.preempted_req_ids and "b" in out.num_scheduled_tokens
+
+
+def test_one_client_keeps_every_slot():
+    s = _scheduler(num_blocks=64, budget=32, max_num_seqs=4)
+    for i in range(8):
+        s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
+    for _ in range(4):
+        assert not _decode_once(s).preempted_req_ids
+    assert len(s.running) == 4
