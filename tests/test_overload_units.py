@@ -6,6 +6,9 @@ live server: ``test_overload_server.py``."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,12 @@ from app.errors import ApiError
 from core.request import Request, RequestStatus
 from core.sampling_params import SamplingParams
 from core.structured_output import StructuredOutputsParams, limits
-from core.structured_output.compiler import GrammarCompiler, GrammarError
+from core.structured_output.compiler import (
+    STUCK_NICENESS,
+    WORKER_NICENESS,
+    GrammarCompiler,
+    GrammarError,
+)
 from core.waiting_queue import FairQueue
 
 
@@ -80,10 +88,14 @@ def test_a_compile_past_its_time_limit_fails_and_a_worker_takes_its_place(
     worker; the slow grammar then fails at once from the cache."""
     compiler = _compiler(tokenizer, workers=1, timeout=0.5)
     real = compiler._compile_kind
+    niceness: dict[str, list[int]] = {}
 
     def compile_kind(spec: StructuredOutputsParams) -> Any:
+        tid = threading.get_native_id()
+        niceness.setdefault(spec.regex or "", []).append(os.getpriority(os.PRIO_PROCESS, tid))
         if spec.regex == "slow":
             time.sleep(3)
+            niceness["slow"].append(os.getpriority(os.PRIO_PROCESS, tid))
         return real(spec)
 
     compiler._compile_kind = compile_kind  # type: ignore[method-assign]
@@ -101,6 +113,9 @@ def test_a_compile_past_its_time_limit_fails_and_a_worker_takes_its_place(
         assert again.done() and compiler.num_timeouts == 1
         time.sleep(3)  # the stuck worker finishes and leaves: one worker again
         assert compiler._threads_alive == 1 and compiler._stuck == 0
+        if sys.platform == "linux":  # compiles yield to serving; one past its limit most
+            assert niceness["[0-9]+"] == [WORKER_NICENESS]
+            assert niceness["slow"] == [WORKER_NICENESS, STUCK_NICENESS]
     finally:
         compiler.shutdown()
 

@@ -5,7 +5,9 @@ tokenizer part). A failed compile is cached too: the same bad schema fails at on
 Compiles are bounded three ways (docs/robustness.md): their size before they start
 (``limits``, checked when the request's ``StructuredOutputsParams`` is built), their time
 (a compile still running ``timeout`` seconds after it started fails with a ``GrammarError``,
-and a worker takes its place while it finishes, so a slow grammar does not hold up the others),
+and a worker takes its place while it finishes, so a slow grammar does not hold up the others;
+the compiling threads run at a lower priority than serving, and one past its limit at the
+lowest),
 and the cache's memory (``cache_bytes``, by each compiled grammar's own size estimate; least
 recently used first out). xgrammar's own compiler cache, which has no bound, is off.
 
@@ -19,6 +21,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -46,13 +49,21 @@ DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, n
 JSON_CHAR = "[\\u0020-\\u0021\\u0023-\\u005B\\u005D-\\uD7FF\\uE000-\U0010FFFF]"
 
 
+# Compiles yield the CPU to serving (the engine's steps, the event loop): their threads run at
+# this niceness, and a compile past its time limit, which nothing waits for any more, at the
+# lowest. Linux gives a thread its own niceness; elsewhere this is a no-op.
+WORKER_NICENESS = 10
+STUCK_NICENESS = 19
+
+
 class _Job:
-    __slots__ = ("spec", "future", "key", "started")
+    __slots__ = ("spec", "future", "key", "started", "thread_id")
 
     def __init__(self, spec: StructuredOutputsParams, future: Future, key: tuple[str, str]
                  ) -> None:
         self.spec, self.future, self.key = spec, future, key
         self.started: float | None = None
+        self.thread_id = 0  # the native id of the thread compiling it
 
 
 class GrammarCompiler:
@@ -159,6 +170,7 @@ class GrammarCompiler:
             self._watchdog.start()
 
     def _work(self) -> None:
+        renice(threading.get_native_id(), WORKER_NICENESS)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -172,6 +184,7 @@ class GrammarCompiler:
                 continue
             with self._lock:
                 job.started = time.monotonic()
+                job.thread_id = threading.get_native_id()
                 if self.timeout is not None:
                     heapq.heappush(self._deadlines, (job.started + self.timeout,
                                                      next(self._order), job))
@@ -201,6 +214,7 @@ class GrammarCompiler:
                         f"{job.spec.field} did not compile within {self.timeout:g} s; "
                         "simplify it", job.spec.field, code="grammar_too_complex"))
                     self._stuck += 1
+                    renice(job.thread_id, STUCK_NICENESS)
                     logger.warning("a grammar compile passed %.1f s (%s); a worker replaces it",
                                    self.timeout, job.spec.field)
                     # the compile goes on on the stuck worker: twice the workers at most
@@ -265,6 +279,16 @@ class GrammarCompiler:
                                                      job.spec.field))
         for _ in range(alive):
             self._jobs.put(None)
+
+
+def renice(thread_id: int, niceness: int) -> None:
+    """Lower a thread's priority to ``niceness`` (never raise it: that needs privileges)."""
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        if niceness > current:
+            os.setpriority(os.PRIO_PROCESS, thread_id, niceness)
+    except (AttributeError, OSError):  # no setpriority here, or the thread is gone
+        pass
 
 
 def bounded_strings(schema: Any) -> Any:
