@@ -351,17 +351,11 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_workers_only(config: EngineConfig) -> int:
     """A node past the first: its tensor-parallel workers, until they end."""
-    from gpu.multiproc_executor import start_workers, stop_processes
+    from core.executor import run_worker_node
 
-    workers, _ = start_workers(config, with_pipe=False)
-    logger.info("node %d of %d: ranks in worker processes %s, meeting at %s", config.node_rank,
-                config.nnodes, [p.pid for p in workers], config.distributed_init_method)
-    try:
-        for p in workers:
-            p.join()
-    except KeyboardInterrupt:
-        stop_processes(workers, 0.0)
-    return max((p.exitcode or 0) for p in workers)
+    logger.info("node %d of %d: this node's ranks run in worker processes, meeting at %s",
+                config.node_rank, config.nnodes, config.distributed_init_method)
+    return run_worker_node(config)
 
 
 def base_url(settings: ServerSettings) -> str:

@@ -14,9 +14,9 @@ import numbers
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from core.config import EngineConfig, load_tokenizer
+from core.executor import StepResult, create_executor
 from core.kv_cache_manager import KVCacheManager
 from core.lifecycle import TIMEOUT, Arrival
 from core.output_processor import OutputProcessor, ParentRequest
@@ -27,9 +27,6 @@ from core.scheduler import Scheduler, SchedulerConfig
 from core.scheduler_output import SchedulerOutput
 from core.step_profiler import StepProfiler
 from core.structured_output.manager import StructuredOutputManager
-
-if TYPE_CHECKING:
-    from core.executor import StepResult
 
 logger = logging.getLogger(__name__)
 # how long a step with nothing to run waits for a grammar to compile: new requests and aborts
@@ -55,8 +52,6 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from gpu.executor import create_executor  # the one door into device code
-
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.executor = create_executor(config)

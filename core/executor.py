@@ -4,6 +4,10 @@
 (``gpu/executor.py``'s ``UniProcExecutor``), or on a worker process per rank of a
 tensor-parallel group (``gpu/multiproc_executor.py``), whose rank 0 sends the sampled tokens
 back. The engine sees the same calls either way.
+
+``create_executor`` and ``run_worker_node`` are the only places outside ``gpu/`` that import
+it (``tests/test_import_rules.py`` holds every other module to that): ``app/`` reaches the
+device through the engine, and the engine through these two.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from core.step_profiler import StepProfiler
+
+if TYPE_CHECKING:
+    from core.config import EngineConfig
 
 
 class StepResult(Protocol):
@@ -66,3 +73,25 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - most executors hold nothing to release
         """Release the workers (nothing to do in this process)."""
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor ``config`` asks for: the model in this process, or a worker process per
+    tensor-parallel rank (``gpu/executor.py``)."""
+    from gpu.executor import create_executor as create
+
+    return create(config)
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """A node past the first of a multi-node group: its ranks' worker processes, until they
+    end; their largest exit code."""
+    from gpu.multiproc_executor import start_workers, stop_processes
+
+    workers, _ = start_workers(config, with_pipe=False)
+    try:
+        for p in workers:
+            p.join()
+    except KeyboardInterrupt:
+        stop_processes(workers, 0.0)
+    return max((p.exitcode or 0) for p in workers)
