@@ -108,7 +108,14 @@ def package_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from app.state import DEFAULT_REQUEST_BODY_TIMEOUT
-    from core.config import DEFAULT_MODEL_NAME, EXECUTOR_BACKENDS, EngineConfig
+    from core.config import (
+        DEFAULT_MODEL_NAME,
+        EXECUTOR_BACKENDS,
+        KV_CACHE_DTYPES,
+        QUANTIZATION_GROUP_SIZES,
+        QUANTIZATIONS,
+        EngineConfig,
+    )
 
     defaults = SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})
     parser = argparse.ArgumentParser(
@@ -136,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and activation dtype; 'auto' is float32 on CPU and "
                        "bfloat16 on GPU")
-    model.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    model.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="quantize the decoder layers' weights at load: 'int8' (one scale "
                        "per output channel) or 'int4' (groups of --quantization-group-size); "
                        "the output head becomes int8 per row, an untied embedding keeps --dtype")
     model.add_argument("--quantization-group-size", type=int, default=32,
-                       choices=[32, 64, 128], help="inputs sharing an int4 scale")
+                       choices=QUANTIZATION_GROUP_SIZES, help="inputs sharing an int4 scale")
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
                        "max_position_embeddings)")
@@ -160,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bytes of KV cache, e.g. 2GiB (default: 1 GiB on CPU; on GPU "
                         "what --gpu-memory-utilization leaves)")
     engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
-                        choices=["auto", "int8"],
+                        choices=KV_CACHE_DTYPES,
                         help="'auto' keeps the KV cache in the model's dtype; 'int8' stores it "
                         "in 8 bits with a float32 scale per token and KV head: about twice the "
                         "tokens in the same memory (four times a float32 model's), and half "

@@ -26,6 +26,7 @@ import itertools
 import torch
 
 from bench.common import add_head_args, best_ms, time_ms, write_result
+from core.config import KV_CACHE_DTYPES
 from gpu.attention.cpu_backend import CpuAttentionBackend
 from gpu.attention.kv_quant import quantize_caches
 from gpu.attention.metadata import AttentionMetadata
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layouts", nargs="+", choices=[*LAYOUTS, *LONG_LAYOUTS, "long"],
                     default=list(LAYOUTS))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--name", help="results file name (default: decode_attention[-isa][-dtype], "
                     "the ISA where the kernels are not built for this CPU)")
     args = ap.parse_args(argv)

@@ -40,6 +40,7 @@ from bench.decode_timing import (
 )
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
 from core import LLM
+from core.config import QUANTIZATIONS
 
 FULL_DEFAULTS = {"batches": "1,32,64,128", "context": 1024, "steps": 32}
 TINY_DEFAULTS = {"batches": "1,4,8", "context": 64, "steps": 8}
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, help="prompt tokens per request (1024; tiny: 64)")
     ap.add_argument("--steps", type=int, help="decode steps timed (32; tiny: 8)")
     ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
-    ap.add_argument("--quantization", choices=["int8", "int4"],
+    ap.add_argument("--quantization", choices=QUANTIZATIONS,
                     help="quantize the decoder linears at load")
     ap.add_argument("--quantization-group-size", type=int, default=32)
     add_decode_args(ap)

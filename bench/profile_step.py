@@ -28,7 +28,7 @@ from typing import Any
 from app.cli import run_event_loop
 from bench.common import bench_model_dir, write_result
 from core.async_engine import AsyncEngine
-from core.config import EngineConfig
+from core.config import QUANTIZATIONS, EngineConfig
 from core.sampling_params import SamplingParams
 from core.step_profiler import PHASES, StepProfiler
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[BatchProfile]:
     ap.add_argument("--dtype", default="auto",
                     choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="weight-only quantization of the decoder layers' linears at load")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     ap.add_argument("--out", default="profile_step",

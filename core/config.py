@@ -25,6 +25,9 @@ DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 # gpu/training/train_default.py): served when no model is named.
 DEFAULT_MODEL: str = str(Path(__file__).resolve().parent / "default_model")
 EXECUTOR_BACKENDS = ("mp", "uni")  # distributed_executor_backend's values
+QUANTIZATIONS = ("int8", "int4")  # quantization's values (None: the checkpoint's weights)
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8")  # kv_cache_dtype's values
 DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 
@@ -98,16 +101,18 @@ class EngineConfig:
         if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be a positive number of seconds, "
                              f"got {self.grammar_compile_timeout}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', "
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
-        if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError("quantization_group_size must be 32, 64 or 128, "
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError("quantization_group_size must be one of "
+                             f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}, "
                              f"got {self.quantization_group_size!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
 INT8_MAX = 127.0
 # The scale is max |x| times float32(1 / 127), a multiply where a division would do, as the
 # C++ and Triton writes compute it: their results equal this reference's to the bit.
@@ -29,12 +28,6 @@ SCALE_BYTES = 4  # one float32 per (token, KV head), for the key and the value e
 def is_quantized(kv_cache_dtype: str) -> bool:
     """Whether the cache holds 8-bit values with scales beside them."""
     return kv_cache_dtype == "int8"
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,13 +18,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from core.config import QUANTIZATIONS
 from gpu.quantization.head import QuantEmbedding
 from gpu.quantization.linear import QuantLinear
 from gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4")
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The same linears as checkpoints name them, before q/k/v and gate/up are fused
 CHECKPOINT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -57,8 +57,9 @@ def quantize_on_read(weights: Iterable[tuple[str, Weight]], method: str, group_s
                      ) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's weights with every float decoder-layer linear weight quantized as it
     arrives (q, k and v apart: quantization is row by row, so fusing after is the same)."""
-    if method not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                         f"got {method!r}")
     for name, value in weights:
         parts = name.split(".")
         if (isinstance(value, torch.Tensor) and "layers" in parts and len(parts) >= 2
