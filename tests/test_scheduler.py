@@ -215,11 +215,7 @@ def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
     """Client A's eight sequences fill the four slots; B's one request is running after the
     next step, by the preemption of A's latest, and A does not win its slot back while B
     holds its share."""
-    s = _scheduler(num_blocks=64, budget=32, max_num_seqs=4)
-    for i in range(8):
-        s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
-    for _ in range(3):
-        _decode_once(s)
+    s = _client_a_holding_the_batch()
     assert [r.request_id for r in s.running] == ["a0", "a1", "a2", "a3"]
     s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=50), client="B"))
     out = _decode_once(s)
@@ -231,9 +227,17 @@ def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
 
 
 def test_one_client_keeps_every_slot():
-    s = _scheduler(num_blocks=64, budget=32, max_num_seqs=4)
-    for i in range(8):
-        s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
+    s = _client_a_holding_the_batch()
     for _ in range(4):
         assert not _decode_once(s).preempted_req_ids
     assert len(s.running) == 4
+
+
+def _client_a_holding_the_batch() -> Scheduler:
+    """Four slots, all taken by client A's first four of eight requests."""
+    s = _scheduler(num_blocks=64, budget=32, max_num_seqs=4)
+    for i in range(8):
+        s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
+    for _ in range(3):
+        assert not _decode_once(s).preempted_req_ids
+    return s
