@@ -12,7 +12,7 @@ refused with 429 and a ``Retry-After`` header, instead of queueing without end, 
 
 A request is always admitted when nothing else is in flight, however large, so no request is
 refused forever. Once admitted, the scheduler takes waiting requests round-robin by client
-(``core.scheduler.FairQueue``), so a client's one sequence is not queued behind another's
+(``core/waiting_queue.py``), so a client's one sequence is not queued behind another's
 thousands. The client is the peer address, the API key presented or the body's ``user``
 (``--fair-share-by``); see docs/robustness.md.
 
@@ -95,8 +95,23 @@ class Admission:
             per_client = self.max_waiting_seqs // 2
         return self.max_num_seqs + per_client
 
+    def check_room(self, client: str) -> None:
+        """Refuse now (429) a request that no size could get admitted: one sequence more
+        would pass a limit. Called before its body is parsed, so a client that goes on
+        sending past its 429s costs the server the reading of its bodies, not their parsing,
+        validation and tokenizing."""
+        self._check(client, 1)
+
     def admit(self, client: str, seqs: int) -> Ticket:
         """Reserve ``seqs`` sequences for ``client``, or raise a 429 ``ApiError``."""
+        self._check(client, seqs)
+        held = self.by_client.get(client, 0)
+        self.total += seqs
+        self.by_client[client] = held + seqs
+        self._publish()
+        return Ticket(self, client, seqs)
+
+    def _check(self, client: str, seqs: int) -> None:
         held = self.by_client.get(client, 0)
         if self.total and self.total + seqs > self.total_limit:
             self._refuse("server", f"The server is busy: {self.total} sequences are running "
@@ -106,10 +121,6 @@ class Admission:
             self._refuse("client", f"Too many sequences in flight from this client: it has "
                          f"{held}, and this request's {seqs} would pass its limit of "
                          f"{self.client_limit}")
-        self.total += seqs
-        self.by_client[client] = held + seqs
-        self._publish()
-        return Ticket(self, client, seqs)
 
     def _refuse(self, reason: str, message: str) -> None:
         if self.metrics is not None:

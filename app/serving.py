@@ -83,11 +83,15 @@ async def read_request(request: Request,
     timeout and its client (``admission.client_key``).
 
     Parsing, validation, templating, tokenizing and the grammar's size checks and key all
-    grow with the body: they run on the state's ``prepare_pool``, never on the event loop.
+    grow with the body: they run on the state's ``prepare_pool``, never on the event loop,
+    and not at all for a client that admission would refuse whatever its request holds.
     The grammar then compiles within the request's ``timeout``."""
     arrived = time.monotonic()
     state = get_state(request)
     raw = await read_body(request)
+    share_by = state.settings.fair_share_by
+    if share_by != "user":  # the client is known before the body is parsed: 429 at once
+        state.admission.check_room(client_key(share_by, request.scope, request.headers, {}))
     prepared = await prepare_off_loop(
         state, arrived, functools.partial(_parse_and_prepare, raw, prepare, state),
         lambda body: client_key(state.settings.fair_share_by, request.scope, request.headers,

@@ -189,9 +189,14 @@ def test_admission_bounds_the_server_and_each_client() -> None:
     b = adm.admit("B", 8)  # another client still finds room
     with pytest.raises(ApiError, match="busy"):
         adm.admit("C", 1)  # 21 > 20
-    for ticket in [*a, b]:
+    b.release()
+    with pytest.raises(ApiError, match="this client"):
+        adm.check_room("A")  # 12 held: no request of A's could get in, whatever its size
+    adm.check_room("B")  # B could still send one sequence
+    for ticket in a:
         ticket.release()
     assert adm.total == 0 and adm.by_client == {}
+    adm.check_room("A")
 
 
 def test_config_rejects_bad_grammar_settings(tmp_path: Path) -> None:
