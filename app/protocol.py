@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from app.body_screen import check_prompt_count, check_tool_count
 from app.conversation import encode_prompt, fit_conversation, render_chat
 from app.errors import ApiError, bad_request
 from app.schemas import (
@@ -103,10 +104,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
     check_model(req.model, state)
     if req.tools is not None:
-        if len(req.tools) > state.settings.max_tools:
-            raise bad_request(f"tools has {len(req.tools)} tools, more than this server's "
-                              f"limit of {state.settings.max_tools}", "tools",
-                              code="too_many_tools")
+        check_tool_count(req.tools, state.settings.max_tools)
         try:  # depth and size, before the template or the tool parser walks them
             check_document(req.tools, "tools")
         except GrammarError as exc:
@@ -170,7 +168,7 @@ def _constrained(params: SamplingParams, req: SamplingFields,
 
 def prepare_completion_request(body: dict[str, Any], state: ServerState
                                ) -> PreparedCompletion:
-    _check_prompt_count(body.get("prompt"), state.settings.max_prompts_per_request)
+    check_prompt_count(body.get("prompt"), state.settings.max_prompts_per_request)
     req: CompletionRequest = validate_body(CompletionRequest, body)
     check_model(req.model, state)
     stream = _stream_flags(req)
@@ -194,15 +192,6 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
         logprobs=req.logprobs, timeout=request_timeout(req, state))
-
-
-def _check_prompt_count(prompt: Any, limit: int) -> None:
-    """At most ``limit`` prompts (a list of strings or of token-id lists; a list of ints is
-    one prompt), checked on the raw body before anything is validated or tokenized."""
-    if (isinstance(prompt, list) and len(prompt) > limit
-            and isinstance(prompt[0], (str, list))):
-        raise bad_request(f"prompt has {len(prompt)} prompts, more than this server's limit "
-                          f"of {limit} per request", "prompt", code="too_many_prompts")
 
 
 def check_request_tokens(state: ServerState, prompt_lengths: list[int],

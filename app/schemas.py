@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import bad_request
@@ -17,18 +16,6 @@ MAX_LOGPROBS = 20
 # share of that work stays small beside everyone else's step.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
-
-
-def parse_json_body(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object, whatever the Content-Type said."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}",
-                          code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    return data
 
 
 # -- schemas --------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from app.admission import client_key
+from app.body_screen import LARGE_BODY_BYTES, parse_json_body, raise_refusal, screen
 from app.errors import ApiError
-from app.schemas import parse_json_body
 from app.state import ServerState
 from core.async_engine import EngineDeadError
 from core.lifecycle import TIMEOUT, Arrival
@@ -92,6 +92,11 @@ async def read_request(request: Request,
     share_by = state.settings.fair_share_by
     if share_by != "user":  # the client is known before the body is parsed: 429 at once
         state.admission.check_room(client_key(share_by, request.scope, request.headers, {}))
+    if len(raw) > LARGE_BODY_BYTES:  # the caps on its objects, checked in another process
+        settings = state.settings
+        raise_refusal(await asyncio.get_running_loop().run_in_executor(
+            state.screen_pool, screen, raw, settings.max_prompts_per_request,
+            settings.max_tools))
     prepared = await prepare_off_loop(
         state, arrived, functools.partial(_parse_and_prepare, raw, prepare, state),
         lambda body: client_key(state.settings.fair_share_by, request.scope, request.headers,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.admission import Admission
+from app.body_screen import screen_pool
 from app.chat_template import ChatTemplate
 from app.metrics import ServerMetrics
 from core.token_decoders import token_bytes
@@ -102,6 +103,11 @@ class ServerState:
         client for 20 s when it ran on the loop)."""
         return ThreadPoolExecutor(max_workers=PREPARE_WORKERS,
                                   thread_name_prefix="tidal-prepare")
+
+    @functools.cached_property
+    def screen_pool(self) -> Executor:
+        """The worker process that parses large bodies first (``app/body_screen.py``)."""
+        return screen_pool()
 
     @property
     def context_tokens(self) -> int:

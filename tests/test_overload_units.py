@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from app.admission import Admission
@@ -225,3 +226,18 @@ def test_cli_limit_flags_and_defaults() -> None:
         "--grammar-cache-bytes", "64MiB", "--grammar-compile-timeout", "2.5"])
     assert (args.max_waiting_seqs, args.fair_share_by, args.grammar_cache_bytes,
             args.grammar_compile_timeout) == (0, "user", 64 << 20, 2.5)
+
+
+def test_large_bodies_are_screened_for_their_object_counts() -> None:
+    """``app/body_screen.screen`` (run in a worker process on a server) refuses what the caps
+    refuse, and passes the rest untouched."""
+    from app.body_screen import screen
+
+    many = orjson.dumps({"model": "m", "prompt": ["a"] * 300})
+    assert screen(many, 256, 128)[2:] == ("prompt", "too_many_prompts")
+    tools = orjson.dumps({"messages": [], "tools": [{"type": "function"}] * 129})
+    assert screen(tools, 256, 128)[2:] == ("tools", "too_many_tools")
+    deep = b"[" * 100_000 + b"]" * 100_000  # past orjson's own depth limit
+    assert screen(b'{"prompt": ' + deep + b"}", 256, 128)[3] == "invalid_json"
+    assert screen(orjson.dumps({"prompt": ["a"] * 256, "tools": []}), 256, 128) is None
+    assert screen(orjson.dumps({"prompt": [1, 2, 3] * 1000}), 256, 128) is None  # one prompt
