@@ -137,7 +137,8 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted: list[Request] = []
         self._now = time.monotonic()
-        self._make_room_for_waiting_clients(preempted)
+        share = self._fair_share()
+        self._make_room_for_waiting_clients(share, preempted)
         fairness_preemptions = len(preempted)
 
         i = 0
@@ -165,7 +166,7 @@ class Scheduler:
             i += 1
 
         if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
-            budget = self._admit_waiting(budget, num_scheduled, new)
+            budget = self._admit_waiting(budget, num_scheduled, new, share)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new, new_block_ids=new_block_ids,
@@ -186,13 +187,13 @@ class Scheduler:
             return None
         return max(1, self.config.max_num_seqs // len(clients))
 
-    def _make_room_for_waiting_clients(self, preempted: list[Request]) -> None:
+    def _make_room_for_waiting_clients(self, share: int | None,
+                                       preempted: list[Request]) -> None:
         """With the batch full, each waiting client below its fair share of the slots takes
         one from the client most above it: that client's latest request is preempted (its
         KV recomputed, or found in the prefix cache, when it resumes). One client's flood of
         sequences then delays another client's request by a step, not by the flood's whole
         generation."""
-        share = self._fair_share()
         if share is None or len(self.running) < self.config.max_num_seqs:
             return
         counts = Counter(r.client for r in self.running)
@@ -285,13 +286,13 @@ class Scheduler:
                                       request.request_id)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       new: list[NewRequestData]) -> int:
+                       new: list[NewRequestData], share: int | None) -> int:
         """Admit waiting requests in order (``FairQueue``: resumed ones first, then clients
-        in turn); those whose grammar is still compiling keep their place without holding up
-        the ones behind them."""
+        in turn), skipping clients at their ``share`` of the batch; those whose grammar is
+        still compiling keep their place without holding up the ones behind them."""
         compiling: list[Request] = []
         try:
-            return self._admit(budget, num_scheduled, new, compiling)
+            return self._admit(budget, num_scheduled, new, compiling, share)
         finally:
             self.waiting.putback(compiling)
 
@@ -312,8 +313,7 @@ class Scheduler:
         return False
 
     def _admit(self, budget: int, num_scheduled: dict[str, int], new: list[NewRequestData],
-               compiling: list[Request]) -> int:
-        share = self._fair_share()
+               compiling: list[Request], share: int | None) -> int:
         counts = Counter(r.client for r in self.running) if share is not None else Counter()
 
         def below_share(client: str) -> bool:

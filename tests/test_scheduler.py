@@ -203,14 +203,6 @@ def test_stop_conditions():
         "min": "stop", "ign": "length"}
 
 
-def _decode_once(s: Scheduler) -> SchedulerOutput:
-    out = s.schedule()
-    done = [r for r in out.num_scheduled_tokens
-            if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
-    s.update_from_output(ModelRunnerOutput(done, [5] * len(done)))
-    return out
-
-
 def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
     """Client A's eight sequences fill the four slots; B's one request is running after the
     next step, by the preemption of A's latest, and A does not win its slot back while B
@@ -218,18 +210,18 @@ def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
     s = _client_a_holding_the_batch()
     assert [r.request_id for r in s.running] == ["a0", "a1", "a2", "a3"]
     s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=50), client="B"))
-    out = _decode_once(s)
+    out = _step(s)
     assert "b" in out.num_scheduled_tokens and out.preempted_req_ids == {"a3"}
     assert sorted(r.request_id for r in s.running) == ["a0", "a1", "a2", "b"]
     for _ in range(3):
-        out = _decode_once(s)
+        out = _step(s)
         assert not out.preempted_req_ids and "b" in out.num_scheduled_tokens
 
 
 def test_one_client_keeps_every_slot():
     s = _client_a_holding_the_batch()
     for _ in range(4):
-        assert not _decode_once(s).preempted_req_ids
+        assert not _step(s).preempted_req_ids
     assert len(s.running) == 4
 
 
@@ -239,5 +231,5 @@ def _client_a_holding_the_batch() -> Scheduler:
     for i in range(8):
         s.add_request(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=50), client="A"))
     for _ in range(3):
-        assert not _decode_once(s).preempted_req_ids
+        assert not _step(s).preempted_req_ids
     return s
