@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
-from app.errors import ApiError
+from tidal.app.errors import ApiError
 
 if TYPE_CHECKING:
-    from app.metrics import ServerMetrics
+    from tidal.app.metrics import ServerMetrics
 
 FAIR_SHARE_BY = ("address", "api-key", "user", "none")
 RETRY_AFTER_S = 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from app.errors import ApiError, bad_request
+from tidal.app.errors import ApiError, bad_request
 
 LARGE_BODY_BYTES = 256 << 10  # bodies past this are screened first
 # (status, message, param, code): an ApiError as it crosses the process boundary

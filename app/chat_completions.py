@@ -7,15 +7,15 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.admission import Admitted
-from app.errors import ApiError
-from app.metrics import RequestTracker
-from app.protocol import PreparedRequest, prepare_chat_request
-from app.serving import chat_logprobs, generate, read_request, timed_out, timeout_error, usage
-from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from app.state import ServerState
-from app.tool_parsers import ToolCallStreamer
-from core.outputs import CompletionOutput, RequestOutput
+from tidal.app.admission import Admitted
+from tidal.app.errors import ApiError
+from tidal.app.metrics import RequestTracker
+from tidal.app.protocol import PreparedRequest, prepare_chat_request
+from tidal.app.serving import chat_logprobs, generate, read_request, timed_out, timeout_error, usage
+from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
+from tidal.app.state import ServerState
+from tidal.app.tool_parsers import ToolCallStreamer
+from tidal.core.outputs import CompletionOutput, RequestOutput
 
 
 async def chat_completions(request: Request) -> Any:

@@ -18,7 +18,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from templates import TEMPLATES_DIR
+from tidal.templates import TEMPLATES_DIR
 
 FALLBACK_TEMPLATE = TEMPLATES_DIR / "chat_fallback.jinja"
 

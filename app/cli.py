@@ -1,4 +1,4 @@
-"""``python -m app serve`` / ``tidal serve``: load the model, then serve the API with hypercorn
+"""``python -m tidal serve`` / ``tidal serve``: load the model, then serve the API with hypercorn
 on uvloop.
 
 The socket opens first and the model loads behind it: ``/health`` answers 503 until the engine
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from hypercorn.config import Config
 
-    from app.state import ServerSettings
-    from core.async_engine import AsyncEngine
-    from core.config import EngineConfig
+    from tidal.app.state import ServerSettings
+    from tidal.core.async_engine import AsyncEngine
+    from tidal.core.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -87,7 +87,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _default_model() -> str:
-    from core.config import DEFAULT_MODEL
+    from tidal.core.config import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 
@@ -107,8 +107,8 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from app.state import DEFAULT_REQUEST_BODY_TIMEOUT
-    from core.config import (
+    from tidal.app.state import DEFAULT_REQUEST_BODY_TIMEOUT
+    from tidal.core.config import (
         DEFAULT_MODEL_NAME,
         EXECUTOR_BACKENDS,
         KV_CACHE_DTYPES,
@@ -301,9 +301,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from app.guard import default_allowed_hosts
-    from app.state import ServerSettings
-    from core.config import DEFAULT_MODEL_NAME, EngineConfig
+    from tidal.app.guard import default_allowed_hosts
+    from tidal.app.state import ServerSettings
+    from tidal.core.config import DEFAULT_MODEL_NAME, EngineConfig
 
     try:
         config = EngineConfig(
@@ -329,7 +329,7 @@ def serve(args: argparse.Namespace) -> int:
         return serve_workers_only(config)
     tracer = None
     if args.otlp_traces_endpoint:
-        from app.tracing import otlp_tracer
+        from tidal.app.tracing import otlp_tracer
 
         try:
             tracer = otlp_tracer(args.otlp_traces_endpoint)
@@ -358,7 +358,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_workers_only(config: EngineConfig) -> int:
     """A node past the first: its tensor-parallel workers, until they end."""
-    from core.executor import run_worker_node
+    from tidal.core.executor import run_worker_node
 
     logger.info("node %d of %d: this node's ranks run in worker processes, meeting at %s",
                 config.node_rank, config.nnodes, config.distributed_init_method)
@@ -376,7 +376,7 @@ def base_url(settings: ServerSettings) -> str:
 def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
     """What the server will do, once the engine is up: the model, device, dtype, context,
     KV-cache capacity, batching, the kernels in use and the URLs."""
-    from core.config import is_gguf_file
+    from tidal.core.config import is_gguf_file
 
     core = engine.core
     config, executor = core.config, core.executor
@@ -443,10 +443,10 @@ async def _serve(config: EngineConfig, settings: ServerSettings, tracer: Any = N
     serve until a signal; 1 if the model failed to load or the engine died later."""
     from hypercorn.asyncio import serve
 
-    from app.loading import LoadingGate
-    from app.server import build_app
-    from core.async_engine import AsyncEngine
-    from core.heap import freeze_startup_objects  # core's package imports torch
+    from tidal.app.loading import LoadingGate
+    from tidal.app.server import build_app
+    from tidal.core.async_engine import AsyncEngine
+    from tidal.core.heap import freeze_startup_objects  # core's package imports torch
 
     gate = LoadingGate()
     stop = asyncio.Event()

@@ -9,11 +9,11 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.admission import Admitted
-from app.errors import ApiError
-from app.metrics import RequestTracker
-from app.protocol import PreparedCompletion, prepare_completion_request
-from app.serving import (
+from tidal.app.admission import Admitted
+from tidal.app.errors import ApiError
+from tidal.app.metrics import RequestTracker
+from tidal.app.protocol import PreparedCompletion, prepare_completion_request
+from tidal.app.serving import (
     completion_logprobs,
     generate,
     merge_streams,
@@ -23,9 +23,9 @@ from app.serving import (
     timeout_error,
     usage,
 )
-from app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from app.state import ServerState
-from core.outputs import CompletionOutput, RequestOutput
+from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
+from tidal.app.state import ServerState
+from tidal.core.outputs import CompletionOutput, RequestOutput
 
 
 async def completions(request: Request) -> Any:

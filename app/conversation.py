@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from app.chat_template import ChatTemplateError
-from app.errors import bad_request
-from core.sampling_params import SamplingParams
+from tidal.app.chat_template import ChatTemplateError
+from tidal.app.errors import bad_request
+from tidal.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from app.state import ServerState
+    from tidal.app.state import ServerState
 
 
 def encode_prompt(state: ServerState, text: str, param: str, add_special_tokens: bool = True

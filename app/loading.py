@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from app.errors import ApiError
+from tidal.app.errors import ApiError
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette

@@ -26,11 +26,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from core.outputs import RequestOutput
+from tidal.core.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from core.engine_core import EngineStats
-    from core.lifecycle import RequestStats
+    from tidal.core.engine_core import EngineStats
+    from tidal.core.lifecycle import RequestStats
 
 disable_created_metrics()  # no `_created` series: they double the exposition for nothing
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -13,30 +13,30 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from app.body_screen import check_prompt_count, check_tool_count
-from app.conversation import encode_prompt, fit_conversation, render_chat
-from app.errors import ApiError, bad_request
-from app.schemas import (
+from tidal.app.body_screen import check_prompt_count, check_tool_count
+from tidal.app.conversation import encode_prompt, fit_conversation, render_chat
+from tidal.app.errors import ApiError, bad_request
+from tidal.app.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
     validate_body,
 )
-from app.structured import (
+from tidal.app.structured import (
     ToolUse,
     from_response_format,
     from_structured_outputs,
     reply_constraint,
     tool_constraint,
 )
-from core.lifecycle import Arrival
-from core.sampling_params import SamplingParams
-from core.structured_output import StructuredOutputsParams
-from core.structured_output.limits import GrammarError, check_document
+from tidal.core.lifecycle import Arrival
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.structured_output import StructuredOutputsParams
+from tidal.core.structured_output.limits import GrammarError, check_document
 
 if TYPE_CHECKING:
-    from app.state import ServerState
+    from tidal.app.state import ServerState
 
 # -- prepared requests ----------------------------------------------------------------------
 @dataclass

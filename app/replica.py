@@ -17,10 +17,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.errors import ApiError
-from app.serving import check_api_key, check_engine, get_state
-from app.state import ServerState
-from core.async_engine import EngineDeadError
+from tidal.app.errors import ApiError
+from tidal.app.serving import check_api_key, check_engine, get_state
+from tidal.app.state import ServerState
+from tidal.core.async_engine import EngineDeadError
 
 
 async def server_info(request: Request) -> Response:
@@ -102,7 +102,7 @@ def _tokenizer_path(state: ServerState) -> str:
 
 @functools.cache
 def _version() -> str:
-    from app.cli import package_version
+    from tidal.app.cli import package_version
 
     return package_version()
 

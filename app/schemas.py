@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.errors import bad_request
-from core.chat_messages import content_text
+from tidal.app.errors import bad_request
+from tidal.core.chat_messages import content_text
 
 MAX_N = 128
 MAX_LOGPROBS = 20

@@ -21,19 +21,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from app.chat_completions import chat_completions
-from app.completions import completions
-from app.errors import ApiError
-from app.guard import RequestGuard
-from app.metrics import CONTENT_TYPE
-from app.replica import flush_cache, get_load, load, model_info, server_info
-from app.serving import check_api_key, get_state
-from app.state import ServerSettings, ServerState
-from app.tracing import install as install_request_tracing
-from app.websocket import chat_page, chat_websocket
+from tidal.app.chat_completions import chat_completions
+from tidal.app.completions import completions
+from tidal.app.errors import ApiError
+from tidal.app.guard import RequestGuard
+from tidal.app.metrics import CONTENT_TYPE
+from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
+from tidal.app.serving import check_api_key, get_state
+from tidal.app.state import ServerSettings, ServerState
+from tidal.app.tracing import install as install_request_tracing
+from tidal.app.websocket import chat_page, chat_websocket
 
 if TYPE_CHECKING:
-    from core.async_engine import AsyncEngine
+    from tidal.core.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,15 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from app.admission import client_key
-from app.body_screen import LARGE_BODY_BYTES, parse_json_body, raise_refusal, screen
-from app.errors import ApiError
-from app.state import ServerState
-from core.async_engine import EngineDeadError
-from core.lifecycle import TIMEOUT, Arrival
-from core.outputs import RequestOutput
-from core.sampling_params import SamplingParams
-from core.structured_output.compiler import GrammarError
+from tidal.app.admission import client_key
+from tidal.app.body_screen import LARGE_BODY_BYTES, parse_json_body, raise_refusal, screen
+from tidal.app.errors import ApiError
+from tidal.app.state import ServerState
+from tidal.core.async_engine import EngineDeadError
+from tidal.core.lifecycle import TIMEOUT, Arrival
+from tidal.core.outputs import RequestOutput
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.structured_output.compiler import GrammarError
 
 Prepared = TypeVar("Prepared")
 

@@ -12,14 +12,14 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from app.admission import Admission
-from app.body_screen import screen_pool
-from app.chat_template import ChatTemplate
-from app.metrics import ServerMetrics
-from core.token_decoders import token_bytes
+from tidal.app.admission import Admission
+from tidal.app.body_screen import screen_pool
+from tidal.app.chat_template import ChatTemplate
+from tidal.app.metrics import ServerMetrics
+from tidal.core.token_decoders import token_bytes
 
 if TYPE_CHECKING:
-    from core.async_engine import AsyncEngine
+    from tidal.core.async_engine import AsyncEngine
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB of JSON body
 PREPARE_WORKERS = 4  # threads preparing request bodies (the tokenizer releases the GIL)

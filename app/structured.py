@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from app.errors import bad_request
-from app.tool_parsers import ToolParser, default_parser, get_parser
-from core.structured_output import StructuredOutputsParams
-from core.structured_output.limits import GrammarError
-from core.structured_output.params import KINDS
+from tidal.app.errors import bad_request
+from tidal.app.tool_parsers import ToolParser, default_parser, get_parser
+from tidal.core.structured_output import StructuredOutputsParams
+from tidal.core.structured_output.limits import GrammarError
+from tidal.core.structured_output.params import KINDS
 
 if TYPE_CHECKING:
-    from app.state import ServerState
+    from tidal.app.state import ServerState
 
 
 @dataclass

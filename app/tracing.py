@@ -13,9 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from app.state import ServerState
-    from core.async_engine import AsyncEngine
-    from core.lifecycle import RequestStats
+    from tidal.app.state import ServerState
+    from tidal.core.async_engine import AsyncEngine
+    from tidal.core.lifecycle import RequestStats
 
 trace_logger = logging.getLogger("tidal.trace")
 OTLP_PACKAGES = "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"

@@ -46,11 +46,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.admission import bearer_token, client_key
-from app.errors import ApiError, bad_request
-from app.metrics import RequestTracker
-from app.protocol import PreparedRequest, prepare_chat_request
-from app.serving import (
+from tidal.app.admission import bearer_token, client_key
+from tidal.app.errors import ApiError, bad_request
+from tidal.app.metrics import RequestTracker
+from tidal.app.protocol import PreparedRequest, prepare_chat_request
+from tidal.app.serving import (
     chat_logprobs,
     generate,
     prepare_off_loop,
@@ -58,9 +58,9 @@ from app.serving import (
     timeout_error,
     usage,
 )
-from app.state import ServerState
-from core.outputs import CompletionOutput
-from templates import TEMPLATES_DIR
+from tidal.app.state import ServerState
+from tidal.core.outputs import CompletionOutput
+from tidal.templates import TEMPLATES_DIR
 
 logger = logging.getLogger(__name__)
 

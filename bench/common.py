@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from gpu.cpu.host import cpu_model, parse_cpuinfo, simd_flags
-from gpu.random_model import build_model_dir
+from tidal.gpu.cpu.host import cpu_model, parse_cpuinfo, simd_flags
+from tidal.gpu.random_model import build_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # ~30M parameters: hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 8192

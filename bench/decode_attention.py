@@ -26,13 +26,13 @@ import itertools
 import torch
 
 from bench.common import add_head_args, best_ms, time_ms, write_result
-from core.config import KV_CACHE_DTYPES
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.attention.kv_quant import quantize_caches
-from gpu.attention.metadata import AttentionMetadata
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
+from tidal.core.config import KV_CACHE_DTYPES
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.attention.kv_quant import quantize_caches
+from tidal.gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend
+from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
 
 BLOCK_SIZE = 16
 # name -> (rows, positions each row attends over, layers' caches gone round)

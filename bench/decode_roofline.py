@@ -39,8 +39,8 @@ from bench.decode_timing import (
     time_engine_decode,
 )
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
-from core import LLM
-from core.config import QUANTIZATIONS
+from tidal.core import LLM
+from tidal.core.config import QUANTIZATIONS
 
 FULL_DEFAULTS = {"batches": "1,32,64,128", "context": 1024, "steps": 32}
 TINY_DEFAULTS = {"batches": "1,4,8", "context": 64, "steps": 8}

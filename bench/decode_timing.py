@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, random_prompts
-from core import LLM, SamplingParams
-from gpu.attention import AttentionMetadata
-from gpu.model_runner import ModelRunner
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.attention import AttentionMetadata
+from tidal.gpu.model_runner import ModelRunner
 
 
 def add_decode_args(ap: argparse.ArgumentParser) -> None:

@@ -1,15 +1,16 @@
 """One prepared GPU check: what a lent GPU machine should tell us, in one Markdown file.
 
-On a bare, offline GPU machine (tidal's packages already on ``PYTHONPATH``: it installs
-nothing) it runs, in under eight minutes, each step in a child process with its own time
-limit, so a hung step is killed, recorded as a failure, and the next one still runs:
+On a bare, offline GPU machine (tidal's dependencies already on ``PYTHONPATH``: it installs
+nothing; an uninstalled checkout is made importable as ``tidal`` by a link) it runs, in under
+eight minutes, each step in a child process with its own time limit, so a hung step is killed,
+recorded as a failure, and the next one still runs:
 
 1. ``packages``: every package of ``bench/gpu_packages.txt`` imports; a required one missing
    stops the check here;
 2. ``suite``: the GPU test suite, ``TIDAL_TEST_DEVICE=cuda pytest -m gpu`` on 8 xdist workers;
 3. ``roofline``: ``bench.decode_roofline`` on a reduced sweep (step, forward and roofline ms);
 4. ``profile``: ``bench.kernel_profile``, the kernels of one eager decode step;
-5. ``served``: ``python -m app serve --quantization int4`` (then int8) on the embedded model,
+5. ``served``: ``python -m tidal serve --quantization int4`` (then int8) on the embedded model,
    asked for greedy completions with the official ``openai`` client, against the same prompts
    on the CPU (``core.LLM``).
 
@@ -500,8 +501,24 @@ def run_child(args: argparse.Namespace) -> None:
         run_served(args.device, args.served.split(","), args.served_dtype, args.json)
 
 
+def importable_checkout() -> None:
+    """Make this checkout importable as ``tidal`` where it is not installed (a bare GPU machine):
+    a ``tidal`` link to the repository's root in a temporary folder, put on ``PYTHONPATH`` for
+    the children and on ``sys.path`` for this process."""
+    import importlib.util
+
+    if importlib.util.find_spec("tidal") is not None:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="tidal-import-"))
+    (folder / "tidal").symlink_to(ROOT, target_is_directory=True)
+    sys.path.insert(0, str(folder))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    importable_checkout()
     if args.packages:
         print("\n".join(carried_requirements(read_packages(), args.packages == "all")))
         return 0

@@ -22,7 +22,7 @@ import torch
 
 from bench.common import RESULTS_DIR, host_line, machine, write_result
 from bench.structured_workload import MID_SCHEMA, mid_instance
-from core.structured_output.compiler import bounded_strings
+from tidal.core.structured_output.compiler import bounded_strings
 
 CACHE = Path.home() / ".cache" / "tidal" / "bench"
 BIG_VOCAB = 151936
@@ -60,7 +60,7 @@ def big_tokenizer():
 def tokenizers() -> dict[str, object]:
     from transformers import AutoTokenizer
 
-    from gpu.random_model import build_tokenizer
+    from tidal.gpu.random_model import build_tokenizer
 
     root = Path(__file__).resolve().parent.parent
     return {"bench-llama-4000": build_tokenizer(4000),

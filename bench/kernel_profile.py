@@ -38,7 +38,7 @@ from bench.decode_timing import (
     sync,
     time_decode_forward,
 )
-from gpu.model_runner import ModelRunner
+from tidal.gpu.model_runner import ModelRunner
 
 FULL_DEFAULTS = {"context": 1024, "steps": 8}
 TINY_DEFAULTS = {"context": 64, "steps": 8}

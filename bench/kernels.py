@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 
 from bench.common import bench_model_dir, write_result
-from gpu.attention import get_attention_backend
-from gpu.cpu import selector
-from gpu.cpu.host import describe
-from gpu.cpu.kernels import target_isa
-from gpu.cpu.selector import PlanCache
-from gpu.model_config import ModelConfig
-from gpu.model_loader import prepare_for_cpu, read_model
-from gpu.quantization.linear import QuantLinear, candidate_methods, plan_quant_linears
-from gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.host import describe
+from tidal.gpu.cpu.kernels import target_isa
+from tidal.gpu.cpu.selector import PlanCache
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import prepare_for_cpu, read_model
+from tidal.gpu.quantization.linear import QuantLinear, candidate_methods, plan_quant_linears
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 QUANT_FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64),
                  "int4g128": ("int4", 128)}
@@ -48,7 +48,7 @@ def resolve(model: str) -> Path:
     if model == "bench":
         return bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama")
     if model == "default":
-        from core.config import DEFAULT_MODEL
+        from tidal.core.config import DEFAULT_MODEL
 
         return Path(DEFAULT_MODEL)
     return Path(model)

@@ -38,9 +38,9 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from app.cli import run_event_loop
 from bench.processes import LaunchedServer
 from bench.server_metrics import parse_metrics, server_side
+from tidal.app.cli import run_event_loop
 
 
 @dataclass
@@ -300,7 +300,7 @@ async def scrape(client: aiohttp.ClientSession) -> dict[str, float] | None:
 # -- launching a server ---------------------------------------------------------------------
 def default_model() -> str:
     """The embedded model when tidal ships one, else the random ~30M-parameter Llama."""
-    import core
+    from tidal import core
 
     embedded = getattr(core, "DEFAULT_MODEL", None)
     if embedded:
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="model id to request (with --launch: the model to serve; "
                     "default: the embedded model)")
     ap.add_argument("--launch", action="store_true",
-                    help="start `python -m app serve` on a free port and stop it afterwards")
+                    help="start `python -m tidal serve` on a free port and stop it afterwards")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for the launched server (repeatable), "
                     "e.g. --server-arg=--max-num-seqs=32")

@@ -33,7 +33,7 @@ from bench.common import write_result
 from bench.decode_roofline import make_llm, model_path, release_memory
 from bench.decode_timing import copy_bandwidth, device_slug, sync
 from bench.model_shapes import shape_settings
-from gpu.attention.paged_layout import paged_layout
+from tidal.gpu.attention.paged_layout import paged_layout
 
 L2_FLUSH_BYTES = 256 << 20  # weight copies a GEMM cycles through: past any GPU's L2 cache
 MAX_COPIES = 64

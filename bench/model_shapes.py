@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gpu.random_model import build_tokenizer
+from tidal.gpu.random_model import build_tokenizer
 
 SHAPES: dict[str, dict] = {
     "qwen2.5-0.5b": dict(
@@ -131,7 +131,7 @@ def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every parameter once (a tied embedding once, as
     the output head; the embedding lookup itself reads a few rows only), and each quantized
     linear's weight in its layouts (``quantized_bytes``)."""
-    from gpu.quantization.linear import QuantLinear
+    from tidal.gpu.quantization.linear import QuantLinear
 
     seen: set[int] = set()
     total = 0

@@ -19,7 +19,7 @@ import torch
 
 from bench.common import best_ms
 from bench.decode_timing import sync
-from gpu.model_config import ModelConfig
+from tidal.gpu.model_config import ModelConfig
 
 MATMUL_SIZE = 2048  # a square matmul this large runs near the host's best rate
 READ_BYTES = {"cpu": 512 << 20, "cuda": 2 << 30}  # far past the CPU's caches / a GPU's L2

@@ -35,8 +35,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bench.common import bench_model_dir, random_prompts, write_result
 from bench.model_shapes import SHAPES, build_shaped_model_dir
 from bench.offline_floor import HostRates, OfflineWork, floor_report
-from core import LLM, SamplingParams
-from gpu.model_config import ModelConfig
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.model_config import ModelConfig
 
 T = TypeVar("T")
 PROMPT_VOCAB = 8000  # prompt ids are drawn below this, or below a smaller model's vocabulary

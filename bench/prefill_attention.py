@@ -18,10 +18,10 @@ import random
 import torch
 
 from bench.common import add_head_args, time_ms, write_result
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend
+from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels, target_isa
 
 
 def layouts(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:

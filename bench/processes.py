@@ -90,7 +90,7 @@ class LaunchedServer:
         return {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "app", "serve", "--model", self.model, "--port",
+        return [sys.executable, "-m", "tidal", "serve", "--model", self.model, "--port",
                 str(self.port), *self.server_args]
 
     def wait_ready(self, timeout: float = 600.0) -> None:

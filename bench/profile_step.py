@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.cli import run_event_loop
 from bench.common import bench_model_dir, write_result
-from core.async_engine import AsyncEngine
-from core.config import QUANTIZATIONS, EngineConfig
-from core.sampling_params import SamplingParams
-from core.step_profiler import PHASES, StepProfiler
+from tidal.app.cli import run_event_loop
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.config import QUANTIZATIONS, EngineConfig
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.step_profiler import PHASES, StepProfiler
 
 WARM_TOKENS = 2  # tokens every request has before measuring: its prefill is behind it
 SLACK_TOKENS = 8

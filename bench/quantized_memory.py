@@ -1,4 +1,4 @@
-"""A quantized model's memory as served: start ``python -m app serve`` on a random model of a
+"""A quantized model's memory as served: start ``python -m tidal serve`` on a random model of a
 real model's shape (Qwen2.5-3B by default) with ``--quantization``, and report the time to
 /health and the server process's resident memory (now and at its peak) after loading and after
 some requests.

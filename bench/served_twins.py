@@ -72,10 +72,10 @@ def compare(prompt: str, served: Completion, twin: Completion) -> Comparison:
 
 
 class EmbeddedServer(LaunchedServer):
-    """``python -m app serve`` with no ``--model``: the embedded model, as a user starts it."""
+    """``python -m tidal serve`` with no ``--model``: the embedded model, as a user starts it."""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "app", "serve", "--port", str(self.port),
+        return [sys.executable, "-m", "tidal", "serve", "--port", str(self.port),
                 *self.server_args]
 
 
@@ -84,7 +84,7 @@ def twin_completions(prompts: list[str], max_tokens: int, model: str | None = No
     """Greedy completions from the offline engine on the CPU (the embedded model unless
     ``model``), in float32 on torch's paths (``cpu_kernels="off"``): no C++ build, and no
     integer dot kernel rounding the activations to int8 first."""
-    from core import LLM, SamplingParams
+    from tidal.core import LLM, SamplingParams
 
     llm = LLM(model, device="cpu", dtype="float32", cpu_kernels="off", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)

@@ -48,7 +48,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from app.cli import run_event_loop
 from bench.common import RESULTS_DIR, bench_model_dir, write_result
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.model_shapes import ALL_SHAPES
@@ -56,6 +55,7 @@ from bench.peers import PEERS, Peer, add_peer_args, find_peers
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
+from tidal.app.cli import run_event_loop
 
 # Scenario seeds are 1,000 apart (``plan``); a round's prompts take seed + 10 x round (a scenario
 # uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.
@@ -361,7 +361,7 @@ def resolve_model(model: str | None, shape: str | None = None) -> str:
         return str(build_shaped_model_dir(Path(tempfile.gettempdir()) / f"tidal-bench-{shape}",
                                           shape, dtype=torch.float32))
     if model == "default":
-        from core import DEFAULT_MODEL
+        from tidal.core import DEFAULT_MODEL
 
         if not DEFAULT_MODEL:
             raise SystemExit("tidal has no embedded default model")

@@ -1,6 +1,6 @@
 """Structured outputs under load: what holding every reply to a JSON schema costs a server.
 
-Starts one tidal server (``python -m app serve``, with the flags the serving comparison gives
+Starts one tidal server (``python -m tidal serve``, with the flags the serving comparison gives
 tidal) on the benchmark Llama (``--shape llama-28m``; ``--model DIR`` for another) and sends
 it streamed, greedy ``/v1/completions`` with text prompts of ``--input-len`` tokens, at
 ``--concurrency`` requests in flight, ``--num-requests`` per round, in two arms that take
@@ -41,7 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.cli import run_event_loop
 from bench.common import write_result
 from bench.load_generator import (
     Workload,
@@ -55,6 +54,7 @@ from bench.serving_comparison import model_params_m, resolve_model
 from bench.structured_report import ARMS, compile_summary, markdown, ratios, summarize_arms
 from bench.structured_stream import Reply, send_all, validity
 from bench.structured_workload import MID_SCHEMA
+from tidal.app.cli import run_event_loop
 
 PROBE_SEED, WARM_UP_SEED = 50_000, 70_000
 
@@ -192,8 +192,8 @@ def in_process_compile_times(model: str, probes: int) -> dict[str, Any]:
     same again from the cache."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from core.structured_output.compiler import GrammarCompiler
-    from core.structured_output.params import StructuredOutputsParams
+    from tidal.core.structured_output.compiler import GrammarCompiler
+    from tidal.core.structured_output.params import StructuredOutputsParams
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab = AutoConfig.from_pretrained(model).vocab_size

@@ -32,8 +32,8 @@ from bench.common import (
     write_result,
 )
 from bench.model_shapes import build_shaped_model_dir
-from core import LLM, SamplingParams
-from gpu.model_config import ModelConfig
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.model_config import ModelConfig
 
 
 def decode_step_ms(model: str, tp: int, batch: int, input_len: int, output_len: int) -> float:
@@ -74,7 +74,7 @@ def _collective_ranks(rank: int, size: int, port: int, shapes: list[tuple[int, i
 
 
 def collectives(size: int, cfg: ModelConfig, batches: list[int]) -> dict[int, dict]:
-    from gpu.multiproc_executor import _free_port
+    from tidal.gpu.multiproc_executor import _free_port
 
     with mp.Manager() as manager:
         out = manager.dict()

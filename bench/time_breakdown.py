@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.cli import run_event_loop
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.prompt_text import text_prompts
 from bench.server_metrics import phases_markdown
+from tidal.app.cli import run_event_loop
 
 
 @dataclass

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import EngineConfig
-from core.engine_core import EngineCore, EngineStats
-from core.lifecycle import Arrival, RequestStats
-from core.outputs import RequestOutput, RequestOutputCollector
-from core.sampling_params import SamplingParams
-from core.structured_output import StructuredOutputsParams
+from tidal.core.config import EngineConfig
+from tidal.core.engine_core import EngineCore, EngineStats
+from tidal.core.lifecycle import Arrival, RequestStats
+from tidal.core.outputs import RequestOutput, RequestOutputCollector
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

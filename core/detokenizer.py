@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from core.sampling_params import SamplingParams
-from core.token_decoders import make_token_decoder
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.token_decoders import make_token_decoder
 
 _VOCAB_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from core.config import EngineConfig, load_tokenizer
-from core.executor import StepResult, create_executor
-from core.kv_cache_manager import KVCacheManager
-from core.lifecycle import TIMEOUT, Arrival
-from core.output_processor import OutputProcessor, ParentRequest
-from core.outputs import RequestOutput
-from core.request import Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, SchedulerConfig
-from core.scheduler_output import SchedulerOutput
-from core.step_profiler import StepProfiler
-from core.structured_output.manager import StructuredOutputManager
+from tidal.core.config import EngineConfig, load_tokenizer
+from tidal.core.executor import StepResult, create_executor
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.lifecycle import TIMEOUT, Arrival
+from tidal.core.output_processor import OutputProcessor, ParentRequest
+from tidal.core.outputs import RequestOutput
+from tidal.core.request import Request, RequestStatus
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.scheduler import Scheduler, SchedulerConfig
+from tidal.core.scheduler_output import SchedulerOutput
+from tidal.core.step_profiler import StepProfiler
+from tidal.core.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 # how long a step with nothing to run waits for a grammar to compile: new requests and aborts

@@ -17,11 +17,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from core.step_profiler import StepProfiler
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.step_profiler import StepProfiler
 
 if TYPE_CHECKING:
-    from core.config import EngineConfig
+    from tidal.core.config import EngineConfig
 
 
 class StepResult(Protocol):
@@ -78,7 +78,7 @@ class Executor(ABC):
 def create_executor(config: EngineConfig) -> Executor:
     """The executor ``config`` asks for: the model in this process, or a worker process per
     tensor-parallel rank (``gpu/executor.py``)."""
-    from gpu.executor import create_executor as create
+    from tidal.gpu.executor import create_executor as create
 
     return create(config)
 
@@ -86,7 +86,7 @@ def create_executor(config: EngineConfig) -> Executor:
 def run_worker_node(config: EngineConfig) -> int:
     """A node past the first of a multi-node group: its ranks' worker processes, until they
     end; their largest exit code."""
-    from gpu.multiproc_executor import start_workers, stop_processes
+    from tidal.gpu.multiproc_executor import start_workers, stop_processes
 
     workers, _ = start_workers(config, with_pipe=False)
     try:

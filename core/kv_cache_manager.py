@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from core.request import Request
+from tidal.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from tidal.core.request import Request
 
 
 @dataclass

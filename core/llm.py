@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from core.chat_messages import content_text
-from core.config import EngineConfig
-from core.engine_core import EngineCore
-from core.outputs import RequestOutput
-from core.sampling_params import SamplingParams
+from tidal.core.chat_messages import content_text
+from tidal.core.config import EngineConfig
+from tidal.core.engine_core import EngineCore
+from tidal.core.outputs import RequestOutput
+from tidal.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -24,7 +24,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         if model is None:
-            from core import DEFAULT_MODEL
+            from tidal.core import DEFAULT_MODEL
 
             model = DEFAULT_MODEL
         self.engine = EngineCore(EngineConfig(model=model, offline=True,

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.detokenizer import DetokenizationError, IncrementalDetokenizer
-from core.lifecycle import TIMEOUT, RequestStats
-from core.outputs import CompletionOutput, RequestOutput
-from core.request import Request, RequestStatus
-from core.scheduler import RequestUpdate
+from tidal.core.detokenizer import DetokenizationError, IncrementalDetokenizer
+from tidal.core.lifecycle import TIMEOUT, RequestStats
+from tidal.core.outputs import CompletionOutput, RequestOutput
+from tidal.core.request import Request, RequestStatus
+from tidal.core.scheduler import RequestUpdate
 
 StopFn = Callable[[Request, RequestStatus, "str | None"], None]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from core.lifecycle import RequestStats
+    from tidal.core.lifecycle import RequestStats
 
 # One entry per generated token: {token_id: logprob} holding the sampled token and the top-N.
 TokenLogprobs = dict[int, float]

@@ -7,8 +7,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from core.lifecycle import RequestTimes
-from core.sampling_params import SamplingParams
+from tidal.core.lifecycle import RequestTimes
+from tidal.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

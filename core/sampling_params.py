@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from core.structured_output.params import StructuredOutputsParams
+from tidal.core.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # A seed is what torch's generators take: any 64-bit pattern, signed or not.

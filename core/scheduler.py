@@ -18,15 +18,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.kv_cache_manager import KVCacheManager
-from core.lifecycle import RateLimitedWarning
-from core.outputs import TokenLogprobs
-from core.request import Request, RequestStatus
-from core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from core.waiting_queue import FairQueue
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.lifecycle import RateLimitedWarning
+from tidal.core.outputs import TokenLogprobs
+from tidal.core.request import Request, RequestStatus
+from tidal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tidal.core.waiting_queue import FairQueue
 
 if TYPE_CHECKING:
-    from core.structured_output.manager import StructuredOutputManager
+    from tidal.core.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

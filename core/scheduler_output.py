@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.outputs import TokenLogprobs
-from core.sampling_params import SamplingParams
+from tidal.core.outputs import TokenLogprobs
+from tidal.core.sampling_params import SamplingParams
 
 
 @dataclass

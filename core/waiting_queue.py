@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 
-from core.request import Request, RequestStatus
+from tidal.core.request import Request, RequestStatus
 
 
 class FairQueue:

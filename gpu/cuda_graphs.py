@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from gpu.attention import AttentionMetadata
+from tidal.gpu.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

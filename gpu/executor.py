@@ -5,18 +5,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from core.config import EngineConfig
-from core.executor import Executor, StepResult
-from core.scheduler_output import SchedulerOutput
-from core.step_profiler import StepProfiler
-from gpu.worker import create_model_runner
+from tidal.core.config import EngineConfig
+from tidal.core.executor import Executor, StepResult
+from tidal.core.scheduler_output import SchedulerOutput
+from tidal.core.step_profiler import StepProfiler
+from tidal.gpu.worker import create_model_runner
 
 
 def create_executor(config: EngineConfig) -> Executor:
     """The model in this process on one device, or a worker process per tensor-parallel
     rank (``distributed_executor_backend="mp"``: a world of one too)."""
     if config.tensor_parallel_size > 1 or config.distributed_executor_backend == "mp":
-        from gpu.multiproc_executor import MultiprocExecutor
+        from tidal.gpu.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)
     return UniProcExecutor(config)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from core.sampling_params import SamplingParams
-from core.scheduler_output import NewRequestData
-from gpu.sampling_metadata import needs_metadata
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.scheduler_output import NewRequestData
+from tidal.gpu.sampling_metadata import needs_metadata
 
 if TYPE_CHECKING:
-    from gpu.sampling_metadata import RowSampling
+    from tidal.gpu.sampling_metadata import RowSampling
 
 
 @dataclass

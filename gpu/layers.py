@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu.kernels import cpu_kernels_for
-from gpu.cpu.selector import Plan
+from tidal.gpu.cpu.kernels import cpu_kernels_for
+from tidal.gpu.cpu.selector import Plan
 
 # ``TIDAL_GPU_KERNELS=off`` keeps torch's forms on a GPU too (the baseline the fused kernels
 # are measured against).
@@ -41,7 +41,7 @@ def fused_kernels_for(x: torch.Tensor, plan: Plan | None = None) -> ModuleType |
 @functools.cache
 def _triton_kernels() -> ModuleType | None:
     try:
-        from gpu import triton_elementwise
+        from tidal.gpu import triton_elementwise
     except ImportError:  # no Triton for this platform: torch's forms
         return None
     return triton_elementwise

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from core.config import EngineConfig
-    from gpu.model_config import ModelConfig
+    from tidal.core.config import EngineConfig
+    from tidal.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 def check_against_checkpoint(model: str | Path, cfg: ModelConfig) -> int:
     """The config against the weights' index (names and shapes, no data); returns the bytes
     the weights take in their files."""
-    from core.config import is_gguf_file
+    from tidal.core.config import is_gguf_file
 
     if is_gguf_file(model):
         shapes, nbytes, source = _gguf_index(Path(model))
@@ -134,7 +134,7 @@ def _safetensors_index(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], int
     messages, and whether the linears are plain floats (not packed by a quantizer)."""
     from safetensors import SafetensorError, safe_open
 
-    from gpu.checkpoints.safetensors_files import safetensors_files
+    from tidal.gpu.checkpoints.safetensors_files import safetensors_files
 
     config = json.loads((model_dir / "config.json").read_text())
     files = safetensors_files(model_dir)
@@ -154,7 +154,7 @@ def _safetensors_index(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], int
 
 
 def _gguf_index(path: Path) -> tuple[dict[str, tuple[int, ...]], int, str]:
-    from gpu.checkpoints.gguf_file import hf_name, open_reader
+    from tidal.gpu.checkpoints.gguf_file import hf_name, open_reader
 
     shapes: dict[str, tuple[int, ...]] = {}
     nbytes = 0
@@ -209,7 +209,7 @@ def weight_bytes(cfg: ModelConfig, config: EngineConfig, file_bytes: int,
     """A lower bound of the memory the weights take once loaded: the file's bytes for a
     GGUF (kept quantized), else the parameters at ``itemsize`` (a quarter byte an int4
     decoder weight, one an int8 one)."""
-    from core.config import is_gguf_file
+    from tidal.core.config import is_gguf_file
 
     if is_gguf_file(config.model):
         return file_bytes

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu.model_checks import ModelFileError, check_config_values, check_shape_rules
+from tidal.gpu.model_checks import ModelFileError, check_config_values, check_shape_rules
 
 # architecture name in config.json -> (qkv bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
@@ -40,7 +40,7 @@ class ModelConfig:
     @classmethod
     def load(cls, model: str | Path) -> ModelConfig:
         """The config of a Hugging Face model directory or of a GGUF file."""
-        from core.config import is_gguf_file
+        from tidal.core.config import is_gguf_file
 
         return cls.from_gguf(model) if is_gguf_file(model) else cls.from_dir(model)
 
@@ -62,7 +62,7 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, path: str | Path) -> ModelConfig:
         """From a GGUF file's metadata, put as a ``config.json`` would put it."""
-        from gpu.checkpoints.gguf_file import hf_config
+        from tidal.gpu.checkpoints.gguf_file import hf_config
 
         raw = hf_config(path)
         return cls.from_hf_dict(raw, raw["eos_token_id"], str(path))

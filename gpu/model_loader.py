@@ -10,25 +10,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpu.attention import AttentionBackend
-from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
-from gpu.cpu import selector
-from gpu.cpu.decode_stack import build_decode_stack
-from gpu.cpu.op_plans import ModelPlans, log_plans, plan_decode_stack, plan_model, stack_rows
-from gpu.cpu.packed_linear import can_pack
-from gpu.cpu.selector import PlanCache
-from gpu.model_config import ModelConfig
-from gpu.models.llama import LlamaForCausalLM
-from gpu.quantization.apply import (
+from tidal.gpu.attention import AttentionBackend
+from tidal.gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.decode_stack import build_decode_stack
+from tidal.gpu.cpu.op_plans import ModelPlans, log_plans, plan_decode_stack, plan_model, stack_rows
+from tidal.gpu.cpu.packed_linear import can_pack
+from tidal.gpu.cpu.selector import PlanCache
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.models.llama import LlamaForCausalLM
+from tidal.gpu.quantization.apply import (
     QUANTIZED_LINEARS,
     install,
     leave_unallocated,
     log_quantized,
     quantize_on_read,
 )
-from gpu.quantization.head import QuantHead, install_tied_head, quantize_head
-from gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
-from gpu.weight_shards import shard_weights
+from tidal.gpu.quantization.head import QuantHead, install_tied_head, quantize_head
+from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
+from tidal.gpu.weight_shards import shard_weights
 
 logger = logging.getLogger(__name__)
 

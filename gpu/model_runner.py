@@ -11,24 +11,24 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from core.step_profiler import StepProfiler
-from gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
-from gpu.cpu import selector
-from gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
-from gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from gpu.cuda_graphs import CudaGraphRunner
-from gpu.distributed import tensor_parallel
-from gpu.input_batch import CachedRequestState, InputBatch
-from gpu.model_config import ModelConfig
-from gpu.model_loader import load_model, resolve_dtype
-from gpu.sampler import Sampler, apply_grammar_bitmask
-from gpu.sampling_metadata import build_sampling_metadata
-from gpu.step_handle import StepHandle
-from gpu.step_inputs import StepInputs, TokenLayout, advance
-from gpu.weight_shards import local_config
+from tidal.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.step_profiler import StepProfiler
+from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
+from tidal.gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
+from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from tidal.gpu.cuda_graphs import CudaGraphRunner
+from tidal.gpu.distributed import tensor_parallel
+from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import load_model, resolve_dtype
+from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
+from tidal.gpu.sampling_metadata import build_sampling_metadata
+from tidal.gpu.step_handle import StepHandle
+from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance
+from tidal.gpu.weight_shards import local_config
 
 logger = logging.getLogger(__name__)
 

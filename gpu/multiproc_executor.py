@@ -21,13 +21,13 @@ from typing import Any, NoReturn
 
 import torch
 
-from core.config import EngineConfig
-from core.executor import Executor, ExecutorFailedError, StepResult
-from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from core.step_profiler import StepProfiler
-from gpu.model_config import ModelConfig
-from gpu.weight_shards import check_tensor_parallel
-from gpu.worker import SHUTDOWN, WorkerArgs, worker_main
+from tidal.core.config import EngineConfig
+from tidal.core.executor import Executor, ExecutorFailedError, StepResult
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.step_profiler import StepProfiler
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.weight_shards import check_tensor_parallel
+from tidal.gpu.worker import SHUTDOWN, WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.scheduler_output import GrammarBitmask
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.sampling_metadata import Penalties, RandomRows, SamplingMetadata
+from tidal.core.scheduler_output import GrammarBitmask
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.sampling_metadata import Penalties, RandomRows, SamplingMetadata
 
 _TINY = torch.finfo(torch.float32).tiny
 

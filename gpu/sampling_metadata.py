@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from core.sampling_params import SamplingParams
+from tidal.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from gpu.input_batch import CachedRequestState, InputBatch
+    from tidal.gpu.input_batch import CachedRequestState, InputBatch
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from dataclasses import fields, replace
 
 import torch
 
-from core.outputs import TokenLogprobs
-from core.scheduler_output import ModelRunnerOutput
-from gpu.input_batch import CachedRequestState, InputBatch
-from gpu.sampler import SamplerOutput
+from tidal.core.outputs import TokenLogprobs
+from tidal.core.scheduler_output import ModelRunnerOutput
+from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.sampler import SamplerOutput
 
 
 class StepHandle:

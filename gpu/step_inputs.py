@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.scheduler_output import SchedulerOutput
-from gpu.attention import AttentionMetadata
-from gpu.input_batch import CachedRequestState
+from tidal.core.scheduler_output import SchedulerOutput
+from tidal.gpu.attention import AttentionMetadata
+from tidal.gpu.input_batch import CachedRequestState
 
 
 @dataclass

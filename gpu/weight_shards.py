@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from gpu.distributed import TensorParallel
-from gpu.model_config import ModelConfig
-from gpu.quantization.weights import QuantizedWeight, Weight
+from tidal.gpu.distributed import TensorParallel
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization.weights import QuantizedWeight, Weight
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core.config import EngineConfig
-from gpu.distributed import TensorParallel, init_tensor_parallel, leave_tensor_parallel
-from gpu.model_checks import check_against_checkpoint, fit_context
-from gpu.model_config import ModelConfig
-from gpu.model_loader import resolve_dtype
-from gpu.model_runner import ModelRunner
+from tidal.core.config import EngineConfig
+from tidal.gpu.distributed import TensorParallel, init_tensor_parallel, leave_tensor_parallel
+from tidal.gpu.model_checks import check_against_checkpoint, fit_context
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import resolve_dtype
+from tidal.gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"

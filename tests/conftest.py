@@ -53,6 +53,6 @@ def _kernel_mode_of_the_environment():
     """Each test starts from the environment's CPU kernel mode: an engine built with
     ``cpu_kernels=`` sets the whole process's (``gpu.cpu.selector.set_mode``)."""
     yield
-    from gpu.cpu import selector
+    from tidal.gpu.cpu import selector
 
     selector.set_mode(None)

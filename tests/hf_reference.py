@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from core import LLM, SamplingParams
 from tests.device import TEST_DEVICE, on_test_device
+from tidal.core import LLM, SamplingParams
 
 NEW_TOKENS = 32
 

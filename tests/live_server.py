@@ -1,4 +1,4 @@
-"""The real server process (``python -m app serve``) for the integration tests, and how they
+"""The real server process (``python -m tidal serve``) for the integration tests, and how they
 talk to it: its OpenAI API over httpx and ``curl -N``, the SSE framing of its streams, its
 ``/metrics`` and when its engine has gone idle."""
 
@@ -45,7 +45,7 @@ def running_server(model_dir: Path, *args: str, timeout: float = 300.0
 
 def build_chat_model(path: Path) -> Path:
     """A tiny random Llama with a chat template and room for 2,048 tokens."""
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(path, "llama", max_position_embeddings=2048)
 

@@ -12,17 +12,17 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
-from app.chat_template import ChatTemplate
-from app.cli import base_url, build_parser, package_version, parse_bytes
-from app.errors import ApiError
-from app.metrics import ServerMetrics
-from app.protocol import prepare_chat_request, prepare_completion_request
-from app.server import build_app
-from app.serving import chat_logprobs, completion_logprobs
-from app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
-from app.state import ServerSettings, ServerState
-from core.async_engine import AsyncEngine
-from core.config import EngineConfig
+from tidal.app.chat_template import ChatTemplate
+from tidal.app.cli import base_url, build_parser, package_version, parse_bytes
+from tidal.app.errors import ApiError
+from tidal.app.metrics import ServerMetrics
+from tidal.app.protocol import prepare_chat_request, prepare_completion_request
+from tidal.app.server import build_app
+from tidal.app.serving import chat_logprobs, completion_logprobs
+from tidal.app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
+from tidal.app.state import ServerSettings, ServerState
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.config import EngineConfig
 
 SSE_EVENT = re.compile(rb"data: (\{.*?\}|\[DONE\])\n\n", re.S)
 CHAT = [{"role": "user", "content": "Tell me a joke"}]
@@ -30,7 +30,7 @@ CHAT = [{"role": "user", "content": "Tell me a joke"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("api_unit") / "tiny", "llama")
 
@@ -301,7 +301,7 @@ def test_fallback_chat_template_renders_chatml() -> None:
 
 
 def test_sandbox_blocks_unsafe_templates() -> None:
-    from app.chat_template import ChatTemplateError
+    from tidal.app.chat_template import ChatTemplateError
 
     class Evil:
         chat_template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from core.async_engine import AsyncEngine
-from core.config import EngineConfig
-from core.outputs import CompletionOutput, RequestOutput, RequestOutputCollector
-from core.sampling_params import SamplingParams
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.config import EngineConfig
+from tidal.core.outputs import CompletionOutput, RequestOutput, RequestOutputCollector
+from tidal.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("async_engine") / "tiny", "llama")
 

@@ -43,7 +43,7 @@ TIMED_OUT = 32
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("bench") / "tiny", "llama",
                            max_position_embeddings=1024)

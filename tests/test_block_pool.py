@@ -1,7 +1,7 @@
-from core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request
-from core.sampling_params import SamplingParams
+from tidal.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.request import Request
+from tidal.core.sampling_params import SamplingParams
 
 
 def _request(req_id: str, tokens: list[int]) -> Request:

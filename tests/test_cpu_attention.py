@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from gpu.attention import AttentionBackend, get_attention_backend
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention
-from gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.attention import AttentionBackend, get_attention_backend
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention
+from tidal.gpu.cpu.kernels import load_cpu_kernels
 
 KV_HEADS = 2
 

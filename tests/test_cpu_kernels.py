@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from gpu import layers, sampler
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.sampler import row_argmax
+from tidal.gpu import layers, sampler
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.sampler import row_argmax
 
 # A fresh interpreter, whose worker threads have never been flushed.
 SCRIPT = """
 import torch
-from gpu.cpu.kernels import denormals_flushed
+from tidal.gpu.cpu.kernels import denormals_flushed
 torch.set_num_threads(2)
 tiny, scale = torch.full((1 << 20,), 1e-30), torch.full((1 << 20,), 1e-10)
 before = int(((tiny * scale) == 0).sum())

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.attention import get_attention_backend
-from gpu.cpu import op_plans, selector
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache, choose, row_buckets
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu import op_plans, selector
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache, choose, row_buckets
 
 needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 
@@ -126,9 +126,9 @@ def test_mode_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _model(tmp_path: Path):
-    from gpu.model_config import ModelConfig
-    from gpu.model_loader import load_model
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.model_config import ModelConfig
+    from tidal.gpu.model_loader import load_model
+    from tidal.gpu.random_model import build_model_dir
 
     path = build_model_dir(tmp_path / "m", hidden_size=128)  # head_dim 32, the kernels' size
     cfg = ModelConfig.from_dir(path)
@@ -164,7 +164,7 @@ def test_plans_reach_the_model_and_its_outputs_stay_the_same(
     monkeypatch.setenv(selector.MODE_ENV, "off")
     reference = load()
     ids = torch.tensor([3, 7, 11, 2])
-    from gpu.attention.paged_layout import paged_layout, random_caches
+    from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 
     meta = paged_layout([0], [4], 16, seed=0)
     caches = [random_caches(meta, 16, cfg.num_kv_heads, cfg.head_dim)

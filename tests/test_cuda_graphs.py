@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from core import LLM, SamplingParams  # noqa: E402
-from gpu.attention import AttentionMetadata  # noqa: E402
-from gpu.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
-from gpu.random_model import build_model_dir  # noqa: E402
 from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tidal.core import LLM, SamplingParams  # noqa: E402
+from tidal.gpu.attention import AttentionMetadata  # noqa: E402
+from tidal.gpu.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
+from tidal.gpu.random_model import build_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = KERNEL_TEST_DEVICE

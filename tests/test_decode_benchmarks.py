@@ -12,8 +12,8 @@ import torch
 import bench.common
 from bench import decode_attention, decode_roofline, matmul_roofline, overlap, prefill_attention
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
-from gpu.cpu.kernels import target_isa
-from gpu.model_config import ModelConfig
+from tidal.gpu.cpu.kernels import target_isa
+from tidal.gpu.model_config import ModelConfig
 
 
 def test_shaped_model_dirs_keep_the_architecture(tmp_path):

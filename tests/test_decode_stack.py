@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention import get_attention_backend
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.cpu.decode_stack import runs_on_stack
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.model_config import ModelConfig
-from gpu.model_loader import load_model
-from gpu.models.llama import LlamaForCausalLM
-from gpu.random_model import build_model_dir
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.cpu.decode_stack import runs_on_stack
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import load_model
+from tidal.gpu.models.llama import LlamaForCausalLM
+from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import core
-from core import DEFAULT_MODEL, LLM, SamplingParams
+from tidal import core
+from tidal.core import DEFAULT_MODEL, LLM, SamplingParams
 
 MAX_BYTES = 16 * 1024 * 1024
 REQUIRED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

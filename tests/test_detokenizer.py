@@ -9,17 +9,6 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from core import SamplingParams
-from core.detokenizer import DetokenizationError, IncrementalDetokenizer
-from core.token_decoders import (
-    MAX_HELD_TOKENS,
-    MAX_PROMPT_CONTEXT,
-    REPLACEMENT_CHAR,
-    OffsetDecoder,
-    StreamDecoder,
-    token_pieces,
-)
-from gpu.random_model import build_tokenizer
 from tests.token_streams import (
     TEXTS,
     CleaningTokenizer,
@@ -28,6 +17,17 @@ from tests.token_streams import (
     split_ids,
     tokenizer_kinds,
 )
+from tidal.core import SamplingParams
+from tidal.core.detokenizer import DetokenizationError, IncrementalDetokenizer
+from tidal.core.token_decoders import (
+    MAX_HELD_TOKENS,
+    MAX_PROMPT_CONTEXT,
+    REPLACEMENT_CHAR,
+    OffsetDecoder,
+    StreamDecoder,
+    token_pieces,
+)
+from tidal.gpu.random_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_failing_stream_goes_on_by_offsets(tokenizer, monkeypatch):
     first, rest = ids[:9], ids[9:]
     detok.update(first, finished=False)
     detok._decoder._stream = FailingStream()
-    monkeypatch.setattr("core.token_decoders._new_stream", lambda *args: FailingStream())
+    monkeypatch.setattr("tidal.core.token_decoders._new_stream", lambda *args: FailingStream())
     detok.update(rest, finished=True)
     assert FailingStream.steps == 1
     assert detok.output_text == tokenizer.decode(ids)

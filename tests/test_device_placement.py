@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.attention import get_attention_backend
-from gpu.model_config import ModelConfig
-from gpu.model_loader import read_model
-from gpu.quantization.head import QuantEmbedding, QuantHead
-from gpu.quantization.linear import QuantLinear
-from gpu.random_model import build_model_dir
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import read_model
+from tidal.gpu.quantization.head import QuantEmbedding, QuantHead
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.random_model import build_model_dir
 
 
 def stray_tensors(obj: object, device: str, path: str = "model",

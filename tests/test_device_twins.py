@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from bench.served_twins import SERVED_PROMPTS, compare, served_completions, twin_completions
-from core.config import DEFAULT_MODEL
 from tests.gguf_writing import write_gguf
 from tests.live_server import running_server
+from tidal.core.config import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 

@@ -10,18 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.selector import Plan
-from gpu.quantization.linear import ACTIVATION_BLOCK as BLOCK
-from gpu.quantization.linear import (
+from tests.test_quant_kernels import FORMATS, ROWS, K, _random
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.quantization.linear import ACTIVATION_BLOCK as BLOCK
+from tidal.gpu.quantization.linear import (
     DOT,
     QuantLinear,
     candidate_methods,
     pack_for_dot,
     round_activations,
 )
-from gpu.quantization.weights import QuantizedWeight
-from tests.test_quant_kernels import FORMATS, ROWS, K, _random
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None or KERNELS.dot_linear_tile()[0] == 0,

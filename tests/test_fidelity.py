@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core import SamplingParams
-from gpu.model_config import ModelConfig
-from gpu.random_model import build_model_dir
 from tests.device import TEST_DEVICE
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tidal.core import SamplingParams
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.gpu
 

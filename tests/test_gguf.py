@@ -15,18 +15,18 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core import LLM, SamplingParams
-from core.config import EngineConfig, load_tokenizer
-from gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
-from gpu.checkpoints.gguf_blocks import to_weight
-from gpu.checkpoints.gguf_file import unpermute_rows
-from gpu.model_config import ModelConfig
-from gpu.quantization.linear import QuantLinear
-from gpu.quantization.weights import QuantizedWeight, cat_rows
-from gpu.random_model import build_model_dir
 from tests.device import on_test_device
 from tests.gguf_writing import add_config, llama_cpp_permute, quantize, write_gguf
 from tests.live_server import running_server
+from tidal.core import LLM, SamplingParams
+from tidal.core.config import EngineConfig, load_tokenizer
+from tidal.gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
+from tidal.gpu.checkpoints.gguf_blocks import to_weight
+from tidal.gpu.checkpoints.gguf_file import unpermute_rows
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.weights import QuantizedWeight, cat_rows
+from tidal.gpu.random_model import build_model_dir
 
 NEW_TOKENS = 16
 SHAPE = {"hidden_size": 256, "intermediate_size": 512}  # rows of 256: the K types fit

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from gpu.checkpoints import checkpoint_weights
-from gpu.quantization.linear import QuantLinear
-from gpu.quantization.weights import QuantizedWeight
-from gpu.random_model import build_model_dir
 from tests.device import TEST_DEVICE
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tidal.gpu.checkpoints import checkpoint_weights
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.errors import clean_library_message
-from app.guard import RequestGuard, default_allowed_hosts, host_allowed, origin_allowed
-from app.state import ServerSettings
+from tidal.app.errors import clean_library_message
+from tidal.app.guard import RequestGuard, default_allowed_hosts, host_allowed, origin_allowed
+from tidal.app.state import ServerSettings
 
 
 def test_default_hosts_follow_the_bind_address() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from core.heap import freeze_startup_objects
+from tidal.core.heap import freeze_startup_objects
 
 
 def test_freeze_startup_objects_takes_live_objects_out_of_collections():

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from app.chat_template import _environment
-from app.tool_parsers import (
+from tests.test_tool_parsers import TOOLS
+from tidal.app.chat_template import _environment
+from tidal.app.tool_parsers import (
     get_parser,
 )
-from templates import TEMPLATES_DIR
-from tests.test_tool_parsers import TOOLS
+from tidal.templates import TEMPLATES_DIR
 
 # -- the Hermes-style chat template ------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The layers' rule, read from the source: ``app/`` never imports ``gpu/``, and ``core/`` reaches
-it only through its one door, ``core/executor.py``. Every import counts, those inside
-functions and under ``TYPE_CHECKING`` included."""
+it only through its one door, ``core/executor.py``; and every part is imported as ``tidal.*``.
+Every import counts, those inside functions and under ``TYPE_CHECKING`` included."""
 
 from __future__ import annotations
 
@@ -25,15 +25,20 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def is_device_module(name: str) -> bool:
+    """``tidal.gpu`` and what is under it, torch and Triton."""
+    return name == "tidal.gpu" or name.startswith("tidal.gpu.") or (
+        name.split(".")[0] in ("torch", "triton"))
+
+
 def device_imports(package: str) -> dict[str, list[str]]:
-    """The modules of ``package`` that import ``gpu`` (or torch, Triton), and what."""
+    """The modules of ``package`` that import ``tidal.gpu`` (or torch, Triton), and what."""
     found = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel in DOORS:
             continue
-        bad = sorted(name for name in imported_modules(path)
-                     if name.split(".")[0] in ("gpu", "torch", "triton"))
+        bad = sorted(name for name in imported_modules(path) if is_device_module(name))
         if bad:
             found[rel] = bad
     return found
@@ -46,5 +51,22 @@ def test_no_device_code_outside_the_door(package: str) -> None:
 
 def test_the_walk_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from gpu.executor import x\n    import torch.nn\n")
-    assert {"gpu.executor", "torch.nn"} <= imported_modules(module)
+    module.write_text("def f():\n    from tidal.gpu.executor import x\n    import torch.nn\n"
+                      "from tidal import gpu\n")
+    found = {name for name in imported_modules(module) if is_device_module(name)}
+    assert found >= {"tidal.gpu.executor", "torch.nn", "tidal.gpu"}
+
+
+PARTS = ("app", "core", "gpu", "templates")
+
+
+@pytest.mark.parametrize("folder", [*PARTS, "tests", "bench"])
+def test_the_parts_are_imported_through_tidal(folder: str) -> None:
+    """``app``, ``core``, ``gpu`` and ``templates`` are installed as ``tidal.*`` alone: an import
+    of the bare name would find some other project's package, or none."""
+    bare = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        names = sorted(n for n in imported_modules(path) if n.split(".")[0] in PARTS)
+        if names:
+            bare[path.relative_to(ROOT).as_posix()] = names
+    assert bare == {}

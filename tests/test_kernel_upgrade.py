@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from core.config import DEFAULT_MODEL, EngineConfig
-from core.engine_core import EngineCore
-from core.sampling_params import SamplingParams
-from gpu.attention import CpuAttentionBackend, TorchAttentionBackend
-from gpu.cpu import kernel_upgrade, kernels, selector
+from tidal.core.config import DEFAULT_MODEL, EngineConfig
+from tidal.core.engine_core import EngineCore
+from tidal.core.sampling_params import SamplingParams
+from tidal.gpu.attention import CpuAttentionBackend, TorchAttentionBackend
+from tidal.gpu.cpu import kernel_upgrade, kernels, selector
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is None,
                                 reason="needs the C++ kernels")

@@ -19,13 +19,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpu.attention import get_attention_backend  # noqa: E402
-from gpu.attention.kv_quant import dequantize, quantize_caches, quantize_heads, write_quantized  # noqa: E402
-from gpu.attention.metadata import AttentionMetadata  # noqa: E402
-from gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
-from gpu.attention.torch_ref import reference_paged_attention  # noqa: E402
-from gpu.cpu.kernels import load_cpu_kernels  # noqa: E402
 from tests.device import KERNEL_TEST_DEVICE, TEST_DEVICE, on_test_device  # noqa: E402
+from tidal.gpu.attention import get_attention_backend  # noqa: E402
+from tidal.gpu.attention.kv_quant import (  # noqa: E402
+    dequantize,
+    quantize_caches,
+    quantize_heads,
+    write_quantized,
+)
+from tidal.gpu.attention.metadata import AttentionMetadata  # noqa: E402
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
+from tidal.gpu.attention.torch_ref import reference_paged_attention  # noqa: E402
+from tidal.gpu.cpu.kernels import load_cpu_kernels  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -182,9 +187,9 @@ def test_the_kernels_refuse_an_int8_cache_without_its_scales():
 def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
     """The C++ decode step (decoder.cpp) writes and reads the int8 cache as the Python model
     does: the same hidden states and the same cache bytes, to the bit."""
-    from gpu.model_config import ModelConfig
-    from gpu.model_loader import load_model
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.model_config import ModelConfig
+    from tidal.gpu.model_loader import load_model
+    from tidal.gpu.random_model import build_model_dir
 
     path = build_model_dir(tmp_path, "llama", hidden_size=128)
     model = load_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"),
@@ -218,7 +223,7 @@ def triton_kernels():
     the setting when triton.language is first imported, which something else may do first);
     compiled on a GPU."""
     pytest.importorskip("triton")
-    from gpu.attention import triton_kernels
+    from tidal.gpu.attention import triton_kernels
 
     return triton_kernels
 
@@ -245,7 +250,7 @@ def test_triton_cache_write_is_the_reference_within_a_tie(triton_kernels, dim):
 @pytest.mark.parametrize("block_size,dim,group", [(16, 16, 1), (16, 64, 2), (32, 80, 2)])
 @pytest.mark.parametrize("query_lens", ["decode", "mixed"])
 def test_triton_attention_over_int8_matches(triton_kernels, block_size, dim, group, query_lens):
-    from gpu.attention.triton_backend import TritonAttentionBackend
+    from tidal.gpu.attention.triton_backend import TritonAttentionBackend
 
     context = [1, block_size - 1, block_size + 1, 37]
     lens = [1] * 4 if query_lens == "decode" else [1, 9, 1, 20]
@@ -259,7 +264,7 @@ def test_triton_attention_over_int8_matches(triton_kernels, block_size, dim, gro
 
 # -- the engine end to end ---------------------------------------------------------------
 def _greedy(llm, prompts: list, tokens: int) -> list:
-    from core import SamplingParams
+    from tidal.core import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -267,7 +272,7 @@ def _greedy(llm, prompts: list, tokens: int) -> list:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     # head_dim 32, which the compiled kernels take
     return str(build_model_dir(tmp_path_factory.mktemp("llama"), "llama", hidden_size=128))
@@ -286,7 +291,7 @@ def _prompts(seed: int) -> list[list[int]]:
 def test_the_same_memory_holds_more_blocks(llama_dir, dtype, ratio):
     """head_dim 32: 4 (float32) or 2 (bfloat16) bytes an element against 1, plus a float32
     scale per 32 elements."""
-    from core import LLM
+    from tidal.core import LLM
 
     memory = 4 << 20
     blocks = {kv: LLM(llama_dir, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=memory,
@@ -302,7 +307,7 @@ def test_engine_over_int8_gives_the_torch_reference_tokens(llama_dir):
     steps), preemption (a cache of 24 blocks for about 45 blocks of requests) and the
     scheduling the device does not default to (async on the CPU, sync on a GPU): the same
     greedy tokens. In float32 (the CPU's default) on every device."""
-    from core import LLM
+    from tidal.core import LLM
 
     prompts = _prompts(0)
     common = dict(kv_cache_dtype="int8", kv_cache_memory=24 * 16 * 288,
@@ -334,7 +339,7 @@ LOGPROB_BOUND = 0.05
 
 
 def test_embedded_model_keeps_its_greedy_tokens_and_logprobs():
-    from core import LLM
+    from tidal.core import LLM
 
     outs = {kv: _greedy(LLM(**on_test_device(kv_cache_dtype=kv, dtype="float32")),
                         DEFAULT_PROMPTS, 64) for kv in ("auto", "int8")}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import LLM, RequestOutput, SamplingParams
-from gpu.random_model import build_model_dir
+from tidal.core import LLM, RequestOutput, SamplingParams
+from tidal.gpu.random_model import build_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_bad_prompt_ids_and_context_overflow(llm):
 
 
 def test_offline_cpu_budget_defaults_larger_than_the_servers(llm):
-    from core.config import (
+    from tidal.core.config import (
         DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
         DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS,
     )

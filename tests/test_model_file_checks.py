@@ -15,23 +15,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import EngineConfig, load_tokenizer
-from gpu.model_checks import (
+from tests.gguf_writing import write_gguf
+from tests.live_server import running_server
+from tidal.core.config import EngineConfig, load_tokenizer
+from tidal.gpu.model_checks import (
     ModelFileError,
     check_against_checkpoint,
     fit_context,
     position_table_bytes,
 )
-from gpu.model_config import ModelConfig
-from tests.gguf_writing import write_gguf
-from tests.live_server import running_server
+from tidal.gpu.model_config import ModelConfig
 
 FAST_S = 10.0  # generous: each check reads headers only
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("checks") / "tiny", "llama")
 
@@ -167,7 +167,7 @@ def test_server_refuses_a_million_layers_fast_without_allocating(model_dir: Path
     model = _with_config(model_dir, tmp_path / "m", num_hidden_layers=10**6)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS, sys.executable, "-m", "app", "serve", "--model",
+        [sys.executable, "-c", _PEAK_RSS, sys.executable, "-m", "tidal", "serve", "--model",
          str(model), "--port", "0"], capture_output=True, timeout=300,
         cwd=Path(__file__).resolve().parent.parent)
     elapsed = time.monotonic() - started

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core import LLM, SamplingParams
-from gpu.cpu.packed_linear import PackedLinear
-from gpu.model_config import ModelConfig
-from gpu.model_loader import _uninitialized_layers, resolve_dtype
-from gpu.random_model import build_model_dir
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.cpu.packed_linear import PackedLinear
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import _uninitialized_layers, resolve_dtype
+from tidal.gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -9,10 +9,10 @@ from torch import nn
 
 from bench import offline_floor
 from bench.offline_floor import HostRates, OfflineWork, floor_report
-from core import LLM, SamplingParams
-from gpu.cpu.packed_linear import PackedLinear
-from gpu.model_config import ModelConfig
-from gpu.random_model import build_model_dir
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.cpu.packed_linear import PackedLinear
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42], list(range(20, 37))]
 OUTPUT_LEN = 6

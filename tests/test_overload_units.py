@@ -16,25 +16,25 @@ from typing import Any
 import orjson
 import pytest
 
-from app.admission import Admission
-from app.errors import ApiError
-from core.request import Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.structured_output import StructuredOutputsParams, limits
-from core.structured_output.compiler import (
+from tidal.app.admission import Admission
+from tidal.app.errors import ApiError
+from tidal.core.request import Request, RequestStatus
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.structured_output import StructuredOutputsParams, limits
+from tidal.core.structured_output.compiler import (
     STUCK_NICENESS,
     WORKER_NICENESS,
     GrammarCompiler,
     GrammarError,
 )
-from core.waiting_queue import FairQueue
+from tidal.core.waiting_queue import FairQueue
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoTokenizer
 
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     path = build_model_dir(tmp_path_factory.mktemp("overload") / "tiny", "llama")
     return AutoTokenizer.from_pretrained(path)
@@ -201,8 +201,8 @@ def test_admission_bounds_the_server_and_each_client() -> None:
 
 
 def test_config_rejects_bad_grammar_settings(tmp_path: Path) -> None:
-    from core.config import EngineConfig
-    from gpu.random_model import build_model_dir
+    from tidal.core.config import EngineConfig
+    from tidal.gpu.random_model import build_model_dir
 
     model = build_model_dir(tmp_path / "m", "llama")
     with pytest.raises(ValueError, match="grammar_compile_workers"):
@@ -212,7 +212,7 @@ def test_config_rejects_bad_grammar_settings(tmp_path: Path) -> None:
 
 
 def test_cli_limit_flags_and_defaults() -> None:
-    from app.cli import build_parser
+    from tidal.app.cli import build_parser
 
     args = build_parser().parse_args(["serve"])
     assert (args.max_prompts_per_request, args.max_request_tokens, args.max_tools) == (
@@ -231,7 +231,7 @@ def test_cli_limit_flags_and_defaults() -> None:
 def test_large_bodies_are_screened_for_their_object_counts() -> None:
     """``app/body_screen.screen`` (run in a worker process on a server) refuses what the caps
     refuse, and passes the rest untouched."""
-    from app.body_screen import screen
+    from tidal.app.body_screen import screen
 
     many = orjson.dumps({"model": "m", "prompt": ["a"] * 300})
     assert screen(many, 256, 128)[2:] == ("prompt", "too_many_prompts")

@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu import packed_linear
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.packed_linear import (
+from tidal.gpu.cpu import packed_linear
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.packed_linear import (
     METHODS,
     PackedLinear,
     can_pack,
     candidate_methods,
     pack_linear_layers,
 )
-from gpu.cpu.selector import Plan
+from tidal.gpu.cpu.selector import Plan
 
 FLOAT32_METHODS = candidate_methods(torch.float32, load_cpu_kernels())
 BF16_METHODS = candidate_methods(torch.bfloat16, load_cpu_kernels())
@@ -125,8 +125,8 @@ def test_panel_width_fits_the_isa_built_for() -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ CPU kernels are not built here")
-    from gpu.cpu.host import cpu_flags
-    from gpu.cpu.kernels import target_isa
+    from tidal.gpu.cpu.host import cpu_flags
+    from tidal.gpu.cpu.kernels import target_isa
 
     native = target_isa() == "native"
     if native and "avx512f" in cpu_flags():

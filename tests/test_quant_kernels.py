@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core import LLM, SamplingParams
-from gpu.attention import get_attention_backend
-from gpu.cpu import selector
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.selector import KERNELS, TORCH, Plan
-from gpu.model_config import ModelConfig
-from gpu.model_loader import load_model
-from gpu.quantization.linear import ATEN, QuantLinear, candidate_methods, pack_for_kernel
-from gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8
-from gpu.random_model import build_model_dir
+from tidal.core import LLM, SamplingParams
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import load_model
+from tidal.gpu.quantization.linear import ATEN, QuantLinear, candidate_methods, pack_for_kernel
+from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8
+from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 

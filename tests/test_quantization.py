@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
-from gpu.quantization.linear import (
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
+from tidal.gpu.quantization.linear import (
     ATEN,
     DOT,
     QuantLinear,
@@ -16,7 +16,7 @@ from gpu.quantization.linear import (
     plan_quant_linears,
     round_activations,
 )
-from gpu.quantization.weights import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
+from tidal.gpu.quantization.weights import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 
 
 def _weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:

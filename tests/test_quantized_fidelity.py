@@ -11,13 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core import DEFAULT_MODEL, SamplingParams
-from gpu.model_config import ModelConfig
-from gpu.quantization import linear
-from gpu.quantization.linear import DOT, QuantLinear, round_activations
-from gpu.quantization.weights import quantize, quantize_int8
-from gpu.random_model import build_model_dir
-from gpu.training.heldout import nats_per_char
 from tests.device import TEST_DEVICE
 from tests.hf_reference import (
     NEW_TOKENS,
@@ -27,6 +20,13 @@ from tests.hf_reference import (
     reference_prompts,
     replace_hf_linears,
 )
+from tidal.core import DEFAULT_MODEL, SamplingParams
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization import linear
+from tidal.gpu.quantization.linear import DOT, QuantLinear, round_activations
+from tidal.gpu.quantization.weights import quantize, quantize_int8
+from tidal.gpu.random_model import build_model_dir
+from tidal.gpu.training.heldout import nats_per_char
 
 pytestmark = pytest.mark.gpu
 
@@ -103,7 +103,7 @@ def test_engine_on_the_dot_kernel_follows_hf_on_rounded_activations(fmt, tmp_pat
     boundary (x * 127 / amax at a half), the two round it apart, one step of its block's
     scale, and a random network carries that on through the cache. So most greedy steps must
     agree to float rounding, and every one within ``FLIPPED_ROUNDING_NATS``."""
-    from gpu.cpu.kernels import load_cpu_kernels
+    from tidal.gpu.cpu.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None or kernels.dot_linear_tile()[0] == 0:

@@ -8,22 +8,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.attention import get_attention_backend
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.selector import TORCH, PlanCache
-from gpu.model_config import ModelConfig
-from gpu.model_loader import load_model, read_model
-from gpu.quantization.head import (
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.selector import TORCH, PlanCache
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import load_model, read_model
+from tidal.gpu.quantization.head import (
     PLAIN_ROW_METHODS,
     QuantEmbedding,
     QuantHead,
     plan_head,
     quantize_head,
 )
-from gpu.quantization.linear import DOT, candidate_methods, round_activations
-from gpu.quantization.weights import quantize_int8
-from gpu.random_model import build_model_dir
+from tidal.gpu.quantization.linear import DOT, candidate_methods, round_activations
+from tidal.gpu.quantization.weights import quantize_int8
+from tidal.gpu.random_model import build_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _byte_storages(model: torch.nn.Module) -> dict[int, int]:
 
 def test_quantize_head_is_int8_per_row_in_chunks(monkeypatch):
     w = torch.randn(300, 64)
-    monkeypatch.setattr("gpu.quantization.head.QUANTIZE_ROWS", 128)
+    monkeypatch.setattr("tidal.gpu.quantization.head.QUANTIZE_ROWS", 128)
     got, ref = quantize_head(w), quantize_int8(w)
     assert torch.equal(got.q, ref.q) and torch.equal(got.scales, ref.scales)
     assert quantize_head(ref) is ref  # already int8 per row: kept as it is

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.processes import ROOT, LaunchedServer
-from gpu.random_model import build_model_dir
+from tidal.gpu.random_model import build_model_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,17 +89,17 @@ class ReadmeServer(LaunchedServer):
 
 
 def python_argv(command: str) -> list[str]:
-    """``python -m app ...`` or ``tidal ...`` as this interpreter runs it, on this checkout."""
+    """``python -m tidal ...`` or ``tidal ...`` as this interpreter runs it, on this checkout."""
     argv = shlex.split(command)
     if argv[0] == "tidal":
-        return [sys.executable, "-m", "app", *argv[1:]]
-    assert argv[:3] == ["python", "-m", "app"], command
+        return [sys.executable, "-m", "tidal", *argv[1:]]
+    assert argv[:3] == ["python", "-m", "tidal"], command
     return [sys.executable, *argv[1:]]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ReadmeServer]:
-    """The server of the README's first set-up command: ``python -m app serve``, the embedded
+    """The server of the README's first set-up command: ``python -m tidal serve``, the embedded
     model, on its defaults but for the port."""
     (setup,) = [line for b in BLOCKS for line in commands(b) if line.endswith("# serve-command")]
     serve = setup.removesuffix("# serve-command").split("&&")[-1].strip()
@@ -133,7 +133,7 @@ def test_readme_is_short_and_every_command_is_run_somewhere() -> None:
 def test_flags_table_is_tidal_serve_help() -> None:
     """Every flag of ``tidal serve``, in the README's table under its --help group, and no
     other."""
-    from app.cli import build_parser
+    from tidal.app.cli import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     groups = {group.title: {opt for action in group._group_actions
@@ -213,7 +213,7 @@ def test_startup_banner(server: ReadmeServer) -> None:
 
 # -- the "Serving" section ----------------------------------------------------------------
 def test_serving_commands(tmp_path: Path) -> None:
-    from app.cli import package_version
+    from tidal.app.cli import package_version
 
     lines = [line for b in SERVING for line in commands(b)]
     assert lines, "the Serving section lost its commands"

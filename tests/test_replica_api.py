@@ -15,18 +15,18 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.loading import LoadingGate
-from app.server import build_app
-from app.state import ServerSettings
 from bench.processes import ROOT, free_port
 from bench.server_metrics import parse_metrics
-from core.async_engine import AsyncEngine
-from core.block_pool import BlockPool
-from core.config import EngineConfig
-from core.engine_core import EngineCore
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request
-from core.sampling_params import SamplingParams
+from tidal.app.loading import LoadingGate
+from tidal.app.server import build_app
+from tidal.app.state import ServerSettings
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.block_pool import BlockPool
+from tidal.core.config import EngineConfig
+from tidal.core.engine_core import EngineCore
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.request import Request
+from tidal.core.sampling_params import SamplingParams
 
 HITS = "tidal:prefix_cache_hits_total"
 QUERIES = "tidal:prefix_cache_queries_total"
@@ -35,7 +35,7 @@ PROMPT = list(range(3, 60))  # three full blocks of 16 and a partial one
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("replica") / "tiny", "llama")
 
@@ -245,7 +245,7 @@ def test_a_model_that_fails_to_load_exits_non_zero(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
-    done = subprocess.run([sys.executable, "-m", "app", "serve", "--model", str(broken),
+    done = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", str(broken),
                            "--port", str(free_port())], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 1 and "the model failed to load" in done.stderr, done.stderr

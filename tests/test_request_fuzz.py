@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from app.server import build_app
-from app.state import ServerSettings
-from core.async_engine import AsyncEngine
-from core.config import EngineConfig
+from tidal.app.server import build_app
+from tidal.app.state import ServerSettings
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.config import EngineConfig
 
 ANSWER_WITHIN_S = 10.0  # a 4xx takes milliseconds; a valid request runs a few tokens
 CHAT = [{"role": "user", "content": "Tell me a joke"}]
@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "Tell me a joke"}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     model = build_model_dir(tmp_path_factory.mktemp("fuzz") / "tiny", "llama")
     engine = AsyncEngine(EngineConfig(model=str(model), kv_cache_memory=4 << 20,

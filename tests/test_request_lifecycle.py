@@ -17,16 +17,16 @@ from typing import Any
 import httpx
 import pytest
 
-from app.chat_template import ChatTemplate
-from app.errors import ApiError
-from app.metrics import ServerMetrics
-from app.protocol import prepare_chat_request
-from app.server import build_app
-from app.state import ServerSettings, ServerState
-from core.async_engine import AsyncEngine
-from core.config import EngineConfig
-from core.lifecycle import Arrival, RequestStats
-from core.sampling_params import SamplingParams
+from tidal.app.chat_template import ChatTemplate
+from tidal.app.errors import ApiError
+from tidal.app.metrics import ServerMetrics
+from tidal.app.protocol import prepare_chat_request
+from tidal.app.server import build_app
+from tidal.app.state import ServerSettings, ServerState
+from tidal.core.async_engine import AsyncEngine
+from tidal.core.config import EngineConfig
+from tidal.core.lifecycle import Arrival, RequestStats
+from tidal.core.sampling_params import SamplingParams
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Tell me a joke"}]
@@ -36,7 +36,7 @@ EVENT = re.compile(rb"data: ([^\n]+)\n\n")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu.random_model import build_model_dir
+    from tidal.gpu.random_model import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("lifecycle") / "tiny", "llama")
 
@@ -96,7 +96,7 @@ async def test_phase_histograms_agree_with_the_requests_own_timings(
     is its time to first token, and queue + inference its whole time, as its client measured
     them, within the steps that deliver outputs; the histograms hold every request, and the
     preemptions per request add up to the engine's count; the first preemption is logged."""
-    caplog.set_level(logging.WARNING, logger="core.scheduler")
+    caplog.set_level(logging.WARNING, logger="tidal.core.scheduler")
     engine, durations = _engine(model_dir, num_blocks=8, step_sleep=0.005)
     metrics = ServerMetrics(model_name=MODEL)
     finished: list[RequestStats] = []
@@ -124,7 +124,7 @@ async def test_phase_histograms_agree_with_the_requests_own_timings(
     assert sorted(by_id) == sorted(timed)
     assert stats.num_preemptions > 0, "the workload was meant to preempt"
     assert sum(s.num_preemptions for s in finished) == stats.num_preemptions
-    warnings = [r.getMessage() for r in caplog.records if r.name == "core.scheduler"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tidal.core.scheduler"]
     assert len(warnings) == 1  # rate-limited: the first of several, within seconds
     assert re.fullmatch(r"Request (short-\d|long) preempted\. KV blocks freed\.", warnings[0])
     # a step delivers the previous step's outputs: allow two, and the event loop's wake-up
@@ -167,7 +167,7 @@ async def test_phase_histograms_agree_with_the_requests_own_timings(
 
 def test_rate_limited_warning_counts_what_it_held_back(caplog: pytest.LogCaptureFixture
                                                        ) -> None:
-    from core.lifecycle import RateLimitedWarning
+    from tidal.core.lifecycle import RateLimitedWarning
 
     log = logging.getLogger("test.rate_limited")
     caplog.set_level(logging.WARNING, logger=log.name)

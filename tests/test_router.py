@@ -1,4 +1,4 @@
-"""Two replicas of ``python -m app serve`` behind the real sglang-router, started as the
+"""Two replicas of ``python -m tidal serve`` behind the real sglang-router, started as the
 README's "Several replicas behind a router" says (``cache_aware``): every request of a prefix
 family (a long system prompt shared by short questions) lands on one replica, which then serves
 the family from its prefix cache, as each replica's ``/metrics`` shows; a replica killed mid-run
@@ -32,12 +32,12 @@ HITS = "tidal:prefix_cache_hits_total"
 
 
 def readme_setup() -> tuple[list[list[str]], list[str]]:
-    """The README's replica set-up: each replica's ``python -m app serve`` arguments, and the
+    """The README's replica set-up: each replica's ``python -m tidal serve`` arguments, and the
     router's (every ``launch_router`` flag but its workers and port), checking the router is
     pointed at the replicas."""
     lines = [line for b in BLOCKS if b.section == REPLICAS_SECTION for line in commands(b)]
     argvs = [shlex.split(part) for line in lines for part in line.split("&") if part.strip()]
-    serves = [a[4:] for a in argvs if a[:4] == ["python", "-m", "app", "serve"]]
+    serves = [a[4:] for a in argvs if a[:4] == ["python", "-m", "tidal", "serve"]]
     (router,) = [a for a in argvs if a[:3] == ["python", "-m", "sglang_router.launch_router"]]
     assert len(serves) == 2 and len(argvs) == 3, lines
     urls, rest, args = [], [], iter(router[3:])

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from core import LLM, SamplingParams
-from core.scheduler_output import GrammarBitmask, NewRequestData
-from gpu.input_batch import CachedRequestState, InputBatch
-from gpu.random_model import build_model_dir
-from gpu.sampler import Sampler, apply_grammar_bitmask, process_logits, row_argmax
-from gpu.sampling_metadata import build_sampling_metadata
 from tests.device import KERNEL_TEST_DEVICE, on_test_device
+from tidal.core import LLM, SamplingParams
+from tidal.core.scheduler_output import GrammarBitmask, NewRequestData
+from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.random_model import build_model_dir
+from tidal.gpu.sampler import Sampler, apply_grammar_bitmask, process_logits, row_argmax
+from tidal.gpu.sampling_metadata import build_sampling_metadata
 
 VOCAB = 32
 EOS = 3

@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from core import SamplingParams
+from tidal.core import SamplingParams
 
 
 def test_defaults_are_valid():

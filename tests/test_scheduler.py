@@ -8,11 +8,11 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, SchedulerConfig
-from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.request import Request, RequestStatus
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.scheduler import Scheduler, SchedulerConfig
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 def _fake_forward(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random,

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import websockets
 
-from app.websocket import key_protocol
 from tests.live_server import CHAT, Server, build_chat_model, running_server
+from tidal.app.websocket import key_protocol
 
 pytestmark = [pytest.mark.integration]
 

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core import LLM, SamplingParams
-from core.detokenizer import IncrementalDetokenizer
-from core.output_processor import OutputProcessor, ParentRequest
-from core.request import Request, RequestStatus
-from core.scheduler import RequestUpdate
-from core.token_decoders import REPLACEMENT_CHAR
-from gpu.random_model import build_model_dir, build_tokenizer
 from tests.token_streams import feed, split_ids, tokenizer_kinds
+from tidal.core import LLM, SamplingParams
+from tidal.core.detokenizer import IncrementalDetokenizer
+from tidal.core.output_processor import OutputProcessor, ParentRequest
+from tidal.core.request import Request, RequestStatus
+from tidal.core.scheduler import RequestUpdate
+from tidal.core.token_decoders import REPLACEMENT_CHAR
+from tidal.gpu.random_model import build_model_dir, build_tokenizer
 
 
 @pytest.fixture(scope="module")

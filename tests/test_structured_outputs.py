@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from core.config import DEFAULT_MODEL
-from core.kv_cache_manager import KVCacheManager
-from core.llm import LLM
-from core.request import Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, SchedulerConfig
-from core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from core.structured_output import StructuredOutputsParams
-from core.structured_output.compiler import JSON_CHAR, GrammarError, bounded_strings
-from core.structured_output.manager import StructuredOutputManager
-from gpu.random_model import build_model_dir, build_tokenizer
 from tests.device import on_test_device
 from tests.test_scheduler import run_workload, workload
+from tidal.core.config import DEFAULT_MODEL
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.llm import LLM
+from tidal.core.request import Request, RequestStatus
+from tidal.core.sampling_params import SamplingParams
+from tidal.core.scheduler import Scheduler, SchedulerConfig
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.structured_output import StructuredOutputsParams
+from tidal.core.structured_output.compiler import JSON_CHAR, GrammarError, bounded_strings
+from tidal.core.structured_output.manager import StructuredOutputManager
+from tidal.gpu.random_model import build_model_dir, build_tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +109,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_weather"}}])
 def test_forced_tool_call_samples_all_parse_and_validate(llm, parser_name, choice):
-    from app.tool_parsers import get_parser
+    from tidal.app.tool_parsers import get_parser
 
     parser = get_parser(parser_name)
     tag = parser.structural_tag(TOOLS, choice, False)

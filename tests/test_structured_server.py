@@ -17,9 +17,9 @@ import pytest
 import websockets
 from pydantic import BaseModel, Field
 
-from gpu.random_model import build_model_dir
-from templates import TEMPLATES_DIR
 from tests.live_server import Server, curl, running_server, sse_events
+from tidal.gpu.random_model import build_model_dir
+from tidal.templates import TEMPLATES_DIR
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 NUM_SAMPLES = 50

@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import LLM, SamplingParams
-from core.config import EngineConfig
-from core.executor import ExecutorFailedError
-from core.structured_output import StructuredOutputsParams
-from gpu.distributed import TensorParallel
-from gpu.model_config import ModelConfig
-from gpu.quantization.weights import quantize_int4, quantize_int8
-from gpu.random_model import build_model_dir
-from gpu.weight_shards import check_tensor_parallel, local_config, shard_weight
 from tests.device import TEST_DEVICE, on_test_device
 from tests.hf_reference import reference_prompts
+from tidal.core import LLM, SamplingParams
+from tidal.core.config import EngineConfig
+from tidal.core.executor import ExecutorFailedError
+from tidal.core.structured_output import StructuredOutputsParams
+from tidal.gpu.distributed import TensorParallel
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization.weights import quantize_int4, quantize_int8
+from tidal.gpu.random_model import build_model_dir
+from tidal.gpu.weight_shards import check_tensor_parallel, local_config, shard_weight
 
 NEW_TOKENS = 24
 TOL = 1e-4
@@ -129,7 +129,7 @@ def test_a_worker_that_raises_fails_the_engine_and_every_worker_ends(tmp_path):
 def test_a_world_of_one_in_a_worker_process_matches_the_engine_in_process(tmp_path_factory):
     """``distributed_executor_backend="mp"`` runs even one rank in a worker process (on a GPU:
     NCCL's group of one, CUDA graphs in the worker), to the in-process engine's tokens."""
-    from gpu.multiproc_executor import MultiprocExecutor
+    from tidal.gpu.multiproc_executor import MultiprocExecutor
 
     path = _model(tmp_path_factory, "llama", 4, 2)
     prompts = reference_prompts(3)[:4]
@@ -151,7 +151,7 @@ def test_the_group_on_the_device_runs_its_collectives():
         port = s.getsockname()[1]
     code = textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from gpu.distributed import init_tensor_parallel, leave_tensor_parallel
+        from tidal.gpu.distributed import init_tensor_parallel, leave_tensor_parallel
         device = "{TEST_DEVICE}"
         if device != "cpu":
             torch.cuda.set_device(device if ":" in device else "cuda:0")

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from bench.processes import ROOT, free_port
-from core import LLM, SamplingParams
 from tests.live_server import build_chat_model, curl, running_server, sse_events
+from tidal.core import LLM, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPTS = [[5, 17, 33, 60, 7, 99], [120, 4, 250, 31]]
@@ -127,7 +127,7 @@ def test_two_nodes_on_loopback_serve_the_tokens_of_one_process(model):
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method",
              rendezvous]
-    second = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(model),
+    second = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--model", str(model),
                                *nodes, "--node-rank", "1"], cwd=ROOT)
     try:
         with running_server(model, *nodes, "--node-rank", "0") as srv:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core import LLM, SamplingParams
-from core.scheduler_output import SchedulerOutput
-from gpu.random_model import build_model_dir
-from gpu.step_inputs import StepInputs, TokenLayout
+from tidal.core import LLM, SamplingParams
+from tidal.core.scheduler_output import SchedulerOutput
+from tidal.gpu.random_model import build_model_dir
+from tidal.gpu.step_inputs import StepInputs, TokenLayout
 
 
 def _sched(num_scheduled: dict[str, int]) -> SchedulerOutput:

@@ -12,21 +12,21 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from app.tool_parsers import (
-    HermesToolParser,
-    ToolParser,
-    default_parser,
-    get_parser,
-)
-from core.structured_output.compiler import structural_tag_json
-from gpu.random_model import build_tokenizer
-from templates import TEMPLATES_DIR
 from tests.test_tool_parsers import (
     NAMES,
     SCHEMAS,
     TOOLS,
     assert_streams_like_extract,
 )
+from tidal.app.tool_parsers import (
+    HermesToolParser,
+    ToolParser,
+    default_parser,
+    get_parser,
+)
+from tidal.core.structured_output.compiler import structural_tag_json
+from tidal.gpu.random_model import build_tokenizer
+from tidal.templates import TEMPLATES_DIR
 
 # -- structural tags ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from app.tool_parsers import (
+from tidal.app.tool_parsers import (
     PARSERS,
     ParsedReply,
     ToolCall,

@@ -18,14 +18,14 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gpu import triton_elementwise as te  # noqa: E402
-from gpu.layers import (  # noqa: E402
+from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tidal.gpu import triton_elementwise as te  # noqa: E402
+from tidal.gpu.layers import (  # noqa: E402
     _rotary_table,
     rms_norm_torch,
     rotary_torch,
     silu_and_mul_torch,
 )
-from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -162,9 +162,9 @@ def _count_decode_step(model_dir: Path, fused: bool,
     from triton.runtime.interpreter import InterpretedFunction
 
     from bench.decode_timing import decode_inputs
-    from core import LLM
-    from gpu import layers
-    from gpu.cpu import selector
+    from tidal.core import LLM
+    from tidal.gpu import layers
+    from tidal.gpu.cpu import selector
 
     selector.set_mode("off")  # the GPU has no compiled CPU kernels
     monkeypatch.setattr(layers, "TRITON_ON_CPU", fused)
@@ -221,7 +221,7 @@ def test_decode_step_is_a_handful_of_kernels_per_layer(
 @pytest.mark.cpu_only(reason="which kernels a CPU tensor gets in the interpreter")
 def test_the_switch_keeps_torch_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     """``TIDAL_GPU_KERNELS=off`` (``layers.GPU_KERNELS``) gives the torch forms."""
-    from gpu import layers
+    from tidal.gpu import layers
 
     x = _rand(2, 64, dtype=torch.float32)
     monkeypatch.setattr(layers, "TRITON_ON_CPU", True)

@@ -23,12 +23,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gpu.attention import triton_kernels as tk  # noqa: E402
-from gpu.attention.metadata import AttentionMetadata  # noqa: E402
-from gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
-from gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention  # noqa: E402
-from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tidal.gpu.attention import triton_kernels as tk  # noqa: E402
+from tidal.gpu.attention.metadata import AttentionMetadata  # noqa: E402
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend, reference_paged_attention  # noqa: E402
+from tidal.gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -244,7 +244,7 @@ def compile_for_hopper() -> None:
     from triton.compiler import ASTSource, compile
 
     assert not tk.interpreting()
-    from gpu.attention import triton_cache_write
+    from tidal.gpu.attention import triton_cache_write
 
     for build, (name, constexprs) in HOPPER_BUILDS.items():
         kernel = getattr(tk, name, None) or getattr(triton_cache_write, name)
@@ -288,8 +288,8 @@ def test_kernels_compile_for_hopper(tmp_path):
 def test_llm_greedy_tokens_match_torch_backend(tmp_path):
     """The whole engine on the Triton backend: prefill, chunked prefill over prefix-cached
     blocks, mixed and decode-only steps give the torch backend's greedy tokens and logprobs."""
-    from core import LLM, SamplingParams
-    from gpu.random_model import build_model_dir
+    from tidal.core import LLM, SamplingParams
+    from tidal.gpu.random_model import build_model_dir
 
     path = str(build_model_dir(tmp_path / "llama", "llama"))
     rng = random.Random(8)

@@ -27,16 +27,16 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from gpu.cpu.selector import TORCH, Plan  # noqa: E402
-from gpu.quantization import triton_linear as tq  # noqa: E402
-from gpu.quantization.linear import (  # noqa: E402
+from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tidal.gpu.cpu.selector import TORCH, Plan  # noqa: E402
+from tidal.gpu.quantization import triton_linear as tq  # noqa: E402
+from tidal.gpu.quantization.linear import (  # noqa: E402
     METHODS,
     TRITON,
     QuantLinear,
     candidate_methods,
 )
-from gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
-from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -20,8 +20,6 @@ from typing import Any
 import pytest
 import websockets
 
-from app.chat_template import ChatTemplate
-from app.conversation import reply_room
 from bench.processes import LaunchedServer, stop_process
 from tests.live_server import (
     DEVICE_ARGS,
@@ -31,6 +29,8 @@ from tests.live_server import (
     wait_until_idle,
 )
 from tests.test_websocket_server import LONG, turn_frames, ws_url
+from tidal.app.chat_template import ChatTemplate
+from tidal.app.conversation import reply_room
 
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = pytest.mark.timeout(180)
@@ -290,10 +290,10 @@ NEWCOMER = [
 
 
 class EmbeddedModelServer(LaunchedServer):
-    """``python -m app serve`` with no model: the embedded one."""
+    """``python -m tidal serve`` with no model: the embedded one."""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "app", "serve", "--port", str(self.port),
+        return [sys.executable, "-m", "tidal", "serve", "--port", str(self.port),
                 *self.server_args]
 
 
@@ -322,7 +322,7 @@ async def test_page_defaults_chat_for_ten_turns_on_the_embedded_model(
     conversation outgrows the context the oldest turns are dropped, and the page says so."""
     from transformers import AutoTokenizer
 
-    from core import DEFAULT_MODEL
+    from tidal.core import DEFAULT_MODEL
 
     context = served_model(embedded_server)["max_model_len"]
     assert context == 256

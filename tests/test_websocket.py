@@ -17,17 +17,17 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 
-from app import websocket as websocket_module
-from app.chat_completions import chat_completions
-from app.chat_template import ChatTemplate
-from app.conversation import reply_room
-from app.errors import ApiError
-from app.metrics import ServerMetrics
-from app.state import ServerSettings, ServerState
-from app.websocket import chat_page, chat_websocket, key_protocol
-from core.async_engine import EngineDeadError
-from core.outputs import CompletionOutput, RequestOutput
-from core.sampling_params import SamplingParams
+from tidal.app import websocket as websocket_module
+from tidal.app.chat_completions import chat_completions
+from tidal.app.chat_template import ChatTemplate
+from tidal.app.conversation import reply_room
+from tidal.app.errors import ApiError
+from tidal.app.metrics import ServerMetrics
+from tidal.app.state import ServerSettings, ServerState
+from tidal.app.websocket import chat_page, chat_websocket, key_protocol
+from tidal.core.async_engine import EngineDeadError
+from tidal.core.outputs import CompletionOutput, RequestOutput
+from tidal.core.sampling_params import SamplingParams
 
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = pytest.mark.timeout(180)
@@ -98,7 +98,7 @@ def _delta(request_id: str, prompt_ids: list[int], n: int, text: str, token: int
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from gpu.random_model import build_tokenizer
+    from tidal.gpu.random_model import build_tokenizer
     return build_tokenizer()
 
 

@@ -6,7 +6,7 @@ import random
 
 from tokenizers import Tokenizer
 
-from core.detokenizer import IncrementalDetokenizer
+from tidal.core.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello 😀🎉 你好世界 café",

@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from app.tool_parsers.calls import CallSyntax, ParsedReply
-from app.tool_parsers.streaming import ToolCallStreamer, split_reply
+from tidal.app.tool_parsers.calls import CallSyntax, ParsedReply
+from tidal.app.tool_parsers.streaming import ToolCallStreamer, split_reply
 
 EMPTY_PARAMETERS = {"type": "object"}
 

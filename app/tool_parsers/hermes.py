@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.tool_parsers.base import ToolParser, json_schema_format
-from app.tool_parsers.calls import CallSyntax, Trigger
+from tidal.app.tool_parsers.base import ToolParser, json_schema_format
+from tidal.app.tool_parsers.calls import CallSyntax, Trigger
 
 
 class HermesToolParser(ToolParser):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from app.tool_parsers.base import ToolParser
-from app.tool_parsers.hermes import HermesToolParser
-from app.tool_parsers.llama3_json import Llama3JsonToolParser
-from app.tool_parsers.mistral import MistralToolParser
+from tidal.app.tool_parsers.base import ToolParser
+from tidal.app.tool_parsers.hermes import HermesToolParser
+from tidal.app.tool_parsers.llama3_json import Llama3JsonToolParser
+from tidal.app.tool_parsers.mistral import MistralToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from app.tool_parsers.calls import (
+from tidal.app.tool_parsers.calls import (
     CallSyntax,
     ParsedReply,
     StreamDelta,
@@ -27,7 +27,7 @@ from app.tool_parsers.calls import (
     Trigger,
     new_call_id,
 )
-from app.tool_parsers.json_scan import JsonScanner
+from tidal.app.tool_parsers.json_scan import JsonScanner
 
 _UNDECIDED = Trigger("")  # the text so far may still become a trigger
 

@@ -2,6 +2,6 @@
 compiled off the engine thread with a cache (``compiler``), and the per-request matchers that
 fill each step's token bitmask and advance with the sampled tokens (``manager``)."""
 
-from core.structured_output.params import StructuredOutputsParams
+from tidal.core.structured_output.params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

@@ -30,8 +30,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from core.structured_output.limits import GrammarError
-from core.structured_output.params import StructuredOutputsParams
+from tidal.core.structured_output.limits import GrammarError
+from tidal.core.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr

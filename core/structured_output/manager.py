@@ -8,9 +8,9 @@ from __future__ import annotations
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
-from core.request import Request
-from core.scheduler_output import GrammarBitmask
-from core.structured_output.compiler import (
+from tidal.core.request import Request
+from tidal.core.scheduler_output import GrammarBitmask
+from tidal.core.structured_output.compiler import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_COMPILE_TIMEOUT,
     DEFAULT_COMPILE_WORKERS,

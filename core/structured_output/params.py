@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from core.structured_output import limits
+from tidal.core.structured_output import limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 

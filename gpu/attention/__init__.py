@@ -1,10 +1,10 @@
 """Attention backends over the paged KV cache, behind one interface."""
 
-from gpu.attention.backend import AttentionBackend
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.attention.metadata import AttentionMetadata
-from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.attention.backend import AttentionBackend
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend
+from tidal.gpu.cpu.kernels import load_cpu_kernels
 
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
@@ -19,7 +19,7 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionB
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from gpu.attention.triton_backend import TritonAttentionBackend
+        from tidal.gpu.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError("attention_backend must be one of 'auto', 'cpu', 'torch', 'triton', "

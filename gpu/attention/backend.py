@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

@@ -14,10 +14,10 @@ from types import ModuleType
 
 import torch
 
-from gpu.attention.metadata import AttentionMetadata
-from gpu.attention.torch_ref import Scale, TorchAttentionBackend
-from gpu.cpu.kernels import KERNEL_DTYPES
-from gpu.cpu.selector import KERNELS, Plan
+from tidal.gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.torch_ref import Scale, TorchAttentionBackend
+from tidal.gpu.cpu.kernels import KERNEL_DTYPES
+from tidal.gpu.cpu.selector import KERNELS, Plan
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

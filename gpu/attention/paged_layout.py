@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.metadata import AttentionMetadata
 
 
 def paged_layout(context: list[int], query: list[int], block_size: int, seed: int,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu.attention.kv_quant import dequantize, write_quantized
-from gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention.kv_quant import dequantize, write_quantized
+from tidal.gpu.attention.metadata import AttentionMetadata
 
 Scale = torch.Tensor | None  # an int8 cache's scales [num_blocks, block_size, num_kv_heads]
 

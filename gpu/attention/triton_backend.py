@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu.attention import triton_kernels as kernels
-from gpu.attention.metadata import AttentionMetadata
+from tidal.gpu.attention import triton_kernels as kernels
+from tidal.gpu.attention.metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:

@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gpu.attention.triton_cache_write import (  # noqa: E402
+from tidal.gpu.attention.triton_cache_write import (  # noqa: E402
     _last_dim_contiguous,
     check_cache,
     write_kv,

@@ -9,11 +9,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from core.config import is_gguf_file
-from gpu.checkpoints.gguf_file import all_linears_quantized, gguf_weights
-from gpu.checkpoints.quantized import quantized_weights
-from gpu.checkpoints.safetensors_files import iter_safetensors
-from gpu.quantization.weights import Weight
+from tidal.core.config import is_gguf_file
+from tidal.gpu.checkpoints.gguf_file import all_linears_quantized, gguf_weights
+from tidal.gpu.checkpoints.quantized import quantized_weights
+from tidal.gpu.checkpoints.safetensors_files import iter_safetensors
+from tidal.gpu.quantization.weights import Weight
 
 
 def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.checkpoints.int_packing import (
+from tidal.gpu.checkpoints.int_packing import (
     PACKED_BITS,
     CheckpointTensors,
     Weight,
@@ -35,7 +35,7 @@ from gpu.checkpoints.int_packing import (
     iter_quantized,
     unpack_int32,
 )
-from gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

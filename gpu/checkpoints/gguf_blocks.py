@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, to_weight
+from tidal.gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, to_weight
 
 logger = logging.getLogger(__name__)
 

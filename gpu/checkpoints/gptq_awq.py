@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.checkpoints.int_packing import (
+from tidal.gpu.checkpoints.int_packing import (
     PACKED_BITS,
     CheckpointTensors,
     Weight,
@@ -29,7 +29,7 @@ from gpu.checkpoints.int_packing import (
     iter_quantized,
     unpack_int32,
 )
-from gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 GPTQ_PARTS = frozenset(("qweight", "qzeros", "scales", "g_idx"))
 GPTQ_FORMATS = ("gptq", "gptq_v2")

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu.checkpoints.safetensors_files import safetensors_files
-from gpu.quantization.weights import QuantizedWeight, Weight
+from tidal.gpu.checkpoints.safetensors_files import safetensors_files
+from tidal.gpu.quantization.weights import QuantizedWeight, Weight
 
 PACKED_BITS = (4, 8)
 # The linears the loader installs as quantized: those of the decoder layers. Any other

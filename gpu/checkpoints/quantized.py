@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from gpu.checkpoints.compressed_tensors import compressed_tensors_weights
-from gpu.checkpoints.gptq_awq import awq_weights, gptq_weights
-from gpu.checkpoints.int_packing import Weight
+from tidal.gpu.checkpoints.compressed_tensors import compressed_tensors_weights
+from tidal.gpu.checkpoints.gptq_awq import awq_weights, gptq_weights
+from tidal.gpu.checkpoints.int_packing import Weight
 
 READERS: dict[str, Callable[[Path, dict], Iterator[tuple[str, Weight]]]] = {
     "gptq": gptq_weights,

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.packed_linear import PackedLinear
-from gpu.quantization.head import QuantEmbedding
-from gpu.quantization.linear import QuantLinear
+from tidal.gpu.attention import AttentionMetadata
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.packed_linear import PackedLinear
+from tidal.gpu.quantization.head import QuantEmbedding
+from tidal.gpu.quantization.linear import QuantLinear
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 

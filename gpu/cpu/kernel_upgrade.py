@@ -15,8 +15,8 @@ from concurrent.futures import Future
 
 from torch import nn
 
-from gpu.cpu import selector
-from gpu.cpu.kernels import build_in_background, is_built
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import build_in_background, is_built
 
 logger = logging.getLogger(__name__)
 

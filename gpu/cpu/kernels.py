@@ -30,8 +30,8 @@ from types import ModuleType
 
 import torch
 
-from gpu.cpu.host import cpu_flags, cpu_model
-from gpu.cpu.selector import KERNELS, Plan, mode
+from tidal.gpu.cpu.host import cpu_flags, cpu_model
+from tidal.gpu.cpu.selector import KERNELS, Plan, mode
 
 logger = logging.getLogger(__name__)
 

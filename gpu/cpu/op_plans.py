@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu.attention.cpu_backend import CpuAttentionBackend
-from gpu.attention.paged_layout import paged_layout, random_caches
-from gpu.attention.torch_ref import TorchAttentionBackend
-from gpu.cpu import selector
-from gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from gpu.cpu.packed_linear import pack_linear_layers
-from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
-from gpu.layers import RMSNorm, silu_and_mul
-from gpu.quantization.head import plan_head
-from gpu.quantization.linear import plan_quant_linears
+from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
+from tidal.gpu.attention.paged_layout import paged_layout, random_caches
+from tidal.gpu.attention.torch_ref import TorchAttentionBackend
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from tidal.gpu.cpu.packed_linear import pack_linear_layers
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
+from tidal.gpu.layers import RMSNorm, silu_and_mul
+from tidal.gpu.quantization.head import plan_head
+from tidal.gpu.quantization.linear import plan_quant_linears
 
 logger = logging.getLogger(__name__)
 

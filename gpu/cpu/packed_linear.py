@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu import selector
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.selector import TORCH, Plan, PlanCache
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.selector import TORCH, Plan, PlanCache
 
 logger = logging.getLogger(__name__)
 

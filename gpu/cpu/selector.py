@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.cpu.host import cpu_flags, cpu_model
+from tidal.gpu.cpu.host import cpu_flags, cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def fewest_within(timings: list[dict[str, float]], margin: float) -> set[str]:
 
 def host_key() -> dict[str, str]:
     """What makes a plan valid: this CPU, torch's build, the kernels' build, the threads."""
-    from gpu.cpu.kernels import build_name
+    from tidal.gpu.cpu.kernels import build_name
 
     return {"selector": SELECTOR_VERSION, "cpu": cpu_model(),
             "flags": " ".join(sorted(cpu_flags())),

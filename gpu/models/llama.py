@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu.attention import AttentionBackend, AttentionMetadata
-from gpu.cpu.decode_stack import runs_on_stack
-from gpu.cpu.selector import Plan
-from gpu.distributed import TensorParallel, tensor_parallel
-from gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from gpu.model_config import ModelConfig
-from gpu.quantization.head import QuantEmbedding
-from gpu.weight_shards import local_config
+from tidal.gpu.attention import AttentionBackend, AttentionMetadata
+from tidal.gpu.cpu.decode_stack import runs_on_stack
+from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.distributed import TensorParallel, tensor_parallel
+from tidal.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization.head import QuantEmbedding
+from tidal.gpu.weight_shards import local_config
 
 # One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
 # v_scale) (gpu.attention.kv_quant).

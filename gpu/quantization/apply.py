@@ -18,10 +18,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from core.config import QUANTIZATIONS
-from gpu.quantization.head import QuantEmbedding
-from gpu.quantization.linear import QuantLinear
-from gpu.quantization.weights import QuantizedWeight, Weight, quantize
+from tidal.core.config import QUANTIZATIONS
+from tidal.gpu.quantization.head import QuantEmbedding
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.weights import QuantizedWeight, Weight, quantize
 
 logger = logging.getLogger(__name__)
 

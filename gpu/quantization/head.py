@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.cpu import selector
-from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
-from gpu.cpu.selector import TORCH, Plan, PlanCache
-from gpu.quantization.linear import (
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
+from tidal.gpu.cpu.selector import TORCH, Plan, PlanCache
+from tidal.gpu.quantization.linear import (
     ATEN,
     QuantLinear,
     QuantPacks,
@@ -38,7 +38,7 @@ from gpu.quantization.linear import (
     planned_forward,
     quant_candidates,
 )
-from gpu.quantization.weights import QuantizedWeight, quantize_int8
+from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int8
 
 # Methods that multiply from the weight's plain int8 rows, which the embedding reads too
 PLAIN_ROW_METHODS = (ATEN, TORCH)

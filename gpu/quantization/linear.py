@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu import selector
-from gpu.cpu.kernels import load_cpu_kernels
-from gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
-from gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
-from gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
+from tidal.gpu.quantization.weights import QuantizedWeight
 
 ATEN = "aten"
 DOT = "dot"
@@ -76,7 +76,7 @@ def candidate_methods(weight: QuantizedWeight, device: torch.device,
 def _triton_fits(w: QuantizedWeight) -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
-    from gpu.quantization.triton_linear import supports
+    from tidal.gpu.quantization.triton_linear import supports
 
     return supports(w)
 
@@ -122,7 +122,7 @@ class QuantPacks:
                     if DOT in methods else None)
         self.triton = None
         if TRITON in methods:
-            from gpu.quantization.triton_linear import pack_for_triton
+            from tidal.gpu.quantization.triton_linear import pack_for_triton
 
             self.triton = pack_for_triton(weight)
 
@@ -140,7 +140,7 @@ class QuantPacks:
                  torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group_size, scales))
             return y if bias is None else y + bias
         if method == TRITON:
-            from gpu.quantization.triton_linear import triton_quant_linear
+            from tidal.gpu.quantization.triton_linear import triton_quant_linear
 
             return triton_quant_linear(x, self.triton, bias)
         return F.linear(x, self.format.dequantize(x.dtype), bias)

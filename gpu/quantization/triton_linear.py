@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gpu.quantization.weights import QuantizedWeight  # noqa: E402
+from tidal.gpu.quantization.weights import QuantizedWeight  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # activations the kernel takes
 SMALL_M = 16  # rows up to which a call is decode-shaped

@@ -1,6 +1,6 @@
 """Measure the default model against its quality bar, with HF transformers on the shipped files.
 
-    python -m gpu.training.evaluate_default --data PATH/tinyshakespeare.txt
+    python -m tidal.gpu.training.evaluate_default --data PATH/tinyshakespeare.txt
 
 Prints the held-out loss in nats per character (bar: at most 1.75) and seeded chat replies to
 one message (bar: at least 8 of 10 end with EOS within 200 tokens), each with the share of its
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from core.config import DEFAULT_MODEL
-from gpu.training.corpus import read_split
-from gpu.training.heldout import nats_per_char
+from tidal.core.config import DEFAULT_MODEL
+from tidal.gpu.training.corpus import read_split
+from tidal.gpu.training.heldout import nats_per_char
 
 MAX_NATS_PER_CHAR = 1.75
 MIN_SHARE_ENDED = 0.8

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from gpu.training.corpus import Speech
-from gpu.training.tokenizer import BOS, render_turn
+from tidal.gpu.training.corpus import Speech
+from tidal.gpu.training.tokenizer import BOS, render_turn
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Train the embedded default model: a small Llama on Tiny Shakespeare, on a CPU.
 
-    python -m gpu.training.train_default --data PATH/tinyshakespeare.txt --out core/default_model
+    python -m tidal.gpu.training.train_default --data PATH/tinyshakespeare.txt \
+        --out core/default_model
 
 Reproducible: a fixed seed drives the weights and every batch, and the tokenizer's training is
 deterministic (results can still differ in the last bits with the number of threads). The last
@@ -20,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from gpu.training.corpus import parse_speeches, read_split
-from gpu.training.examples import ExampleSampler, MixConfig
-from gpu.training.heldout import nats_per_char
-from gpu.training.tokenizer import EOS, train_tokenizer
+from tidal.gpu.training.corpus import parse_speeches, read_split
+from tidal.gpu.training.examples import ExampleSampler, MixConfig
+from tidal.gpu.training.heldout import nats_per_char
+from tidal.gpu.training.tokenizer import EOS, train_tokenizer
 
 MONITOR_CHARS = 30_000  # held-out characters scored at each evaluation during training
 
