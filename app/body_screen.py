@@ -10,7 +10,7 @@ limit of 1,024), the number of prompts and the number of tools. A body refused t
 parsed by the server; one that passes is parsed again by the server, as any other.
 
 The checks here are the only ones of their kind: the server's preparation calls them too
-(``app/protocol.py``).
+(``app/prepare.py``).
 """
 
 from __future__ import annotations

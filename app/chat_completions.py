@@ -9,11 +9,18 @@ from starlette.requests import Request
 
 from tidal.app.admission import Admitted
 from tidal.app.errors import ApiError
+from tidal.app.handling import (
+    chat_logprobs,
+    generate,
+    read_request,
+    timed_out,
+    timeout_error,
+    usage,
+)
 from tidal.app.metrics import RequestTracker
-from tidal.app.protocol import PreparedRequest, prepare_chat_request
-from tidal.app.serving import chat_logprobs, generate, read_request, timed_out, timeout_error, usage
+from tidal.app.prepare import PreparedRequest, prepare_chat_request
+from tidal.app.server_state import ServerState
 from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from tidal.app.state import ServerState
 from tidal.app.tool_parsers import ToolCallStreamer
 from tidal.core.outputs import CompletionOutput, RequestOutput
 

@@ -11,9 +11,7 @@ from starlette.requests import Request
 
 from tidal.app.admission import Admitted
 from tidal.app.errors import ApiError
-from tidal.app.metrics import RequestTracker
-from tidal.app.protocol import PreparedCompletion, prepare_completion_request
-from tidal.app.serving import (
+from tidal.app.handling import (
     completion_logprobs,
     generate,
     merge_streams,
@@ -23,8 +21,10 @@ from tidal.app.serving import (
     timeout_error,
     usage,
 )
+from tidal.app.metrics import RequestTracker
+from tidal.app.prepare import PreparedCompletion, prepare_completion_request
+from tidal.app.server_state import ServerState
 from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from tidal.app.state import ServerState
 from tidal.core.outputs import CompletionOutput, RequestOutput
 
 

@@ -12,7 +12,7 @@ from tidal.app.errors import bad_request
 from tidal.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tidal.app.state import ServerState
+    from tidal.app.server_state import ServerState
 
 
 def encode_prompt(state: ServerState, text: str, param: str, add_special_tokens: bool = True
@@ -64,7 +64,7 @@ def fit_conversation(state: ServerState, messages: list[dict[str, str]],
     System messages are always kept. Whole turns go: the kept messages after the cut start
     with a user message (or are the last message alone), as chat templates expect. The last
     message is never dropped; when even it (with the system messages) leaves less room than
-    wanted, it is sent alone and ``protocol._fit_context`` then accepts it or refuses it as usual.
+    wanted, it is sent alone and ``prepare._fit_context`` then accepts it or refuses it as usual.
     Dropping fewer messages never makes a prompt shorter, so the fewest drops that fit are
     found by bisection: a handful of renders however long the conversation."""
     limit = state.context_tokens

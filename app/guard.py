@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidal.app.errors import ApiError
-from tidal.app.state import ServerSettings
+from tidal.app.server_state import ServerSettings
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 PAGE_PATH = "/"  # the chat page's HTML: no secret in it, and a browser cannot send the key

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tidal.app.errors import ApiError
-from tidal.app.serving import check_api_key, check_engine, get_state
-from tidal.app.state import ServerState
+from tidal.app.handling import check_api_key, check_engine, get_state
+from tidal.app.server_state import ServerState
 from tidal.core.async_engine import EngineDeadError
 
 
@@ -102,7 +102,7 @@ def _tokenizer_path(state: ServerState) -> str:
 
 @functools.cache
 def _version() -> str:
-    from tidal.app.cli import package_version
+    from tidal.app.banner import package_version
 
     return package_version()
 

@@ -14,7 +14,7 @@ from tidal.core.structured_output.limits import GrammarError
 from tidal.core.structured_output.params import KINDS
 
 if TYPE_CHECKING:
-    from tidal.app.state import ServerState
+    from tidal.app.server_state import ServerState
 
 
 @dataclass

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tidal.app.state import ServerState
+    from tidal.app.server_state import ServerState
     from tidal.core.async_engine import AsyncEngine
     from tidal.core.lifecycle import RequestStats
 

@@ -17,7 +17,7 @@ aborts the request in the engine, which ends the turn with ``finish_reason: "abo
 socket cancels the turn's task, and leaving ``AsyncEngine.generate`` early aborts the request
 and frees its KV blocks.
 
-A turn goes the HTTP chat's way (``serving.prepare_off_loop``): validated, templated,
+A turn goes the HTTP chat's way (``handling.prepare_off_loop``): validated, templated,
 tokenized and its grammar checked on the ``prepare_pool``, never on the event loop (nor is a
 large frame parsed there), stamped with its client (``admission.client_key``: the peer
 address, the key presented in the header or the subprotocol, or the frame's ``user``), then
@@ -48,9 +48,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from tidal.app.admission import bearer_token, client_key
 from tidal.app.errors import ApiError, bad_request
-from tidal.app.metrics import RequestTracker
-from tidal.app.protocol import PreparedRequest, prepare_chat_request
-from tidal.app.serving import (
+from tidal.app.handling import (
     chat_logprobs,
     generate,
     prepare_off_loop,
@@ -58,7 +56,9 @@ from tidal.app.serving import (
     timeout_error,
     usage,
 )
-from tidal.app.state import ServerState
+from tidal.app.metrics import RequestTracker
+from tidal.app.prepare import PreparedRequest, prepare_chat_request
+from tidal.app.server_state import ServerState
 from tidal.core.outputs import CompletionOutput
 from tidal.templates import TEMPLATES_DIR
 

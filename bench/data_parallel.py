@@ -26,7 +26,7 @@ from bench.common import RESULTS_DIR, host_line, write_result
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.processes import LaunchedServer, SglangRouter
 from bench.prompt_text import text_prompts
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 
 
 @dataclass(frozen=True)

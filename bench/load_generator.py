@@ -40,7 +40,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from bench.processes import LaunchedServer
 from bench.server_metrics import parse_metrics, server_side
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 
 
 @dataclass

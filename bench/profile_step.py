@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import bench_model_dir, write_result
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 from tidal.core.async_engine import AsyncEngine
 from tidal.core.config import QUANTIZATIONS, EngineConfig
 from tidal.core.sampling_params import SamplingParams

@@ -55,7 +55,7 @@ from bench.peers import PEERS, Peer, add_peer_args, find_peers
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 
 # Scenario seeds are 1,000 apart (``plan``); a round's prompts take seed + 10 x round (a scenario
 # uses seed, seed + 1 and seed + 2), so every round of every scenario has prompts of its own.

@@ -54,7 +54,7 @@ from bench.serving_comparison import model_params_m, resolve_model
 from bench.structured_report import ARMS, compile_summary, markdown, ratios, summarize_arms
 from bench.structured_stream import Reply, send_all, validity
 from bench.structured_workload import MID_SCHEMA
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 
 PROBE_SEED, WARM_UP_SEED = 50_000, 70_000
 

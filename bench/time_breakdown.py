@@ -24,7 +24,7 @@ from typing import Any
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.prompt_text import text_prompts
 from bench.server_metrics import phases_markdown
-from tidal.app.cli import run_event_loop
+from tidal.app.launch import run_event_loop
 
 
 @dataclass

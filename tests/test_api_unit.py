@@ -12,15 +12,16 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
+from tidal.app.banner import base_url, package_version
 from tidal.app.chat_template import ChatTemplate
-from tidal.app.cli import base_url, build_parser, package_version, parse_bytes
+from tidal.app.cli import build_parser, parse_bytes
 from tidal.app.errors import ApiError
+from tidal.app.handling import chat_logprobs, completion_logprobs
 from tidal.app.metrics import ServerMetrics
-from tidal.app.protocol import prepare_chat_request, prepare_completion_request
-from tidal.app.server import build_app
-from tidal.app.serving import chat_logprobs, completion_logprobs
+from tidal.app.prepare import prepare_chat_request, prepare_completion_request
+from tidal.app.routes import build_app
+from tidal.app.server_state import ServerSettings, ServerState
 from tidal.app.sse import DONE, EventStreamResponse, race_disconnect, sse_event
-from tidal.app.state import ServerSettings, ServerState
 from tidal.core.async_engine import AsyncEngine
 from tidal.core.config import EngineConfig
 

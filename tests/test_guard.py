@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from tidal.app.errors import clean_library_message
 from tidal.app.guard import RequestGuard, default_allowed_hosts, host_allowed, origin_allowed
-from tidal.app.state import ServerSettings
+from tidal.app.server_state import ServerSettings
 
 
 def test_default_hosts_follow_the_bind_address() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tidal.app.serving import merge_streams
+from tidal.app.handling import merge_streams
 
 
 async def test_merged_streams_run_at_most_so_many_at_once() -> None:

@@ -213,7 +213,7 @@ def test_startup_banner(server: ReadmeServer) -> None:
 
 # -- the "Serving" section ----------------------------------------------------------------
 def test_serving_commands(tmp_path: Path) -> None:
-    from tidal.app.cli import package_version
+    from tidal.app.banner import package_version
 
     lines = [line for b in SERVING for line in commands(b)]
     assert lines, "the Serving section lost its commands"

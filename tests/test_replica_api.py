@@ -18,8 +18,8 @@ from starlette.websockets import WebSocketDisconnect
 from bench.processes import ROOT, free_port
 from bench.server_metrics import parse_metrics
 from tidal.app.loading import LoadingGate
-from tidal.app.server import build_app
-from tidal.app.state import ServerSettings
+from tidal.app.routes import build_app
+from tidal.app.server_state import ServerSettings
 from tidal.core.async_engine import AsyncEngine
 from tidal.core.block_pool import BlockPool
 from tidal.core.config import EngineConfig

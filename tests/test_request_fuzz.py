@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from tidal.app.server import build_app
-from tidal.app.state import ServerSettings
+from tidal.app.routes import build_app
+from tidal.app.server_state import ServerSettings
 from tidal.core.async_engine import AsyncEngine
 from tidal.core.config import EngineConfig
 

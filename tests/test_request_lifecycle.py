@@ -20,9 +20,9 @@ import pytest
 from tidal.app.chat_template import ChatTemplate
 from tidal.app.errors import ApiError
 from tidal.app.metrics import ServerMetrics
-from tidal.app.protocol import prepare_chat_request
-from tidal.app.server import build_app
-from tidal.app.state import ServerSettings, ServerState
+from tidal.app.prepare import prepare_chat_request
+from tidal.app.routes import build_app
+from tidal.app.server_state import ServerSettings, ServerState
 from tidal.core.async_engine import AsyncEngine
 from tidal.core.config import EngineConfig
 from tidal.core.lifecycle import Arrival, RequestStats

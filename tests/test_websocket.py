@@ -23,7 +23,7 @@ from tidal.app.chat_template import ChatTemplate
 from tidal.app.conversation import reply_room
 from tidal.app.errors import ApiError
 from tidal.app.metrics import ServerMetrics
-from tidal.app.state import ServerSettings, ServerState
+from tidal.app.server_state import ServerSettings, ServerState
 from tidal.app.websocket import chat_page, chat_websocket, key_protocol
 from tidal.core.async_engine import EngineDeadError
 from tidal.core.outputs import CompletionOutput, RequestOutput

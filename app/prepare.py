@@ -36,7 +36,7 @@ from tidal.core.structured_output import StructuredOutputsParams
 from tidal.core.structured_output.limits import GrammarError, check_document
 
 if TYPE_CHECKING:
-    from tidal.app.state import ServerState
+    from tidal.app.server_state import ServerState
 
 # -- prepared requests ----------------------------------------------------------------------
 @dataclass
@@ -64,7 +64,7 @@ class PreparedRequest:
     dropped_messages: int | None = None
     tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
     timeout: float | None = None  # seconds it may wait and run: its own, or the server's
-    arrival: Arrival | None = None  # stamped by ``serving.prepare_off_loop``
+    arrival: Arrival | None = None  # stamped by ``handling.prepare_off_loop``
 
 
 @dataclass

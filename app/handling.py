@@ -17,7 +17,7 @@ from starlette.requests import Request
 from tidal.app.admission import client_key
 from tidal.app.body_screen import LARGE_BODY_BYTES, parse_json_body, raise_refusal, screen
 from tidal.app.errors import ApiError
-from tidal.app.state import ServerState
+from tidal.app.server_state import ServerState
 from tidal.core.async_engine import EngineDeadError
 from tidal.core.lifecycle import TIMEOUT, Arrival
 from tidal.core.outputs import RequestOutput

@@ -25,10 +25,10 @@ from tidal.app.chat_completions import chat_completions
 from tidal.app.completions import completions
 from tidal.app.errors import ApiError
 from tidal.app.guard import RequestGuard
+from tidal.app.handling import check_api_key, get_state
 from tidal.app.metrics import CONTENT_TYPE
 from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
-from tidal.app.serving import check_api_key, get_state
-from tidal.app.state import ServerSettings, ServerState
+from tidal.app.server_state import ServerSettings, ServerState
 from tidal.app.tracing import install as install_request_tracing
 from tidal.app.websocket import chat_page, chat_websocket
 
