@@ -48,16 +48,17 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]],
         state.metrics.chat_template_time.observe(time.perf_counter() - start)
 
 
-def reply_room(context_tokens: int) -> int:
-    """The tokens a truncated conversation leaves for a reply without ``max_tokens``: half
-    the context, at most 4,096."""
+def truncation_reserve(context_tokens: int) -> int:
+    """How much room ``"truncation": "auto"`` clears for a reply without ``max_tokens``: half
+    the context, at most 4,096. Only how many turns are dropped; the reply's budget is then
+    ``reply_budget``'s, the room the kept turns leave."""
     return min(context_tokens // 2, 4096)
 
 
 def fit_conversation(state: ServerState, messages: list[dict[str, str]],
                       params: SamplingParams) -> tuple[str, list[int], int]:
     """The conversation's prompt and token ids once its oldest turns are dropped until the
-    prompt leaves room for the reply: ``max_tokens`` when given, else ``reply_room`` (or
+    prompt leaves room for the reply: ``max_tokens`` when given, else ``truncation_reserve`` (or
     ``min_tokens`` if more). Returns ``(prompt, token_ids, dropped)``, ``dropped`` counting
     the non-system messages left out from the front.
 
@@ -69,7 +70,7 @@ def fit_conversation(state: ServerState, messages: list[dict[str, str]],
     found by bisection: a handful of renders however long the conversation."""
     limit = state.context_tokens
     want = params.max_tokens if params.max_tokens is not None else max(
-        params.min_tokens, reply_room(limit))
+        params.min_tokens, truncation_reserve(limit))
     others = [i for i, m in enumerate(messages) if m["role"] != "system"]
     # the drop counts that start the kept messages at a turn: 0, each later user message,
     # and (the most one can drop) everything but the last message

@@ -50,12 +50,6 @@ def check_engine(state: ServerState) -> None:
                        code="engine_dead")
 
 
-async def read_json_body(request: Request) -> dict[str, Any]:
-    """Authorize, then read the body (at most ``max_request_bytes``) as a JSON object,
-    whatever the Content-Type says."""
-    return parse_json_body(await read_body(request))
-
-
 async def read_body(request: Request) -> bytes:
     """Authorize, then read the body's bytes, at most ``max_request_bytes`` (else 413)."""
     state = get_state(request)

@@ -31,7 +31,7 @@ from tidal.app.structured import (
     tool_constraint,
 )
 from tidal.core.lifecycle import Arrival
-from tidal.core.sampling_params import SamplingParams
+from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.structured_output import StructuredOutputsParams
 from tidal.core.structured_output.limits import GrammarError, check_document
 
@@ -181,8 +181,7 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
         else:
             _check_token_ids(state, prompt, param)
             prompts.append(PromptInput(state.tokenizer.decode(prompt), list(prompt)))
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _constrained(_sampling_params(req, state, max_tokens=max_tokens,
+    params = _constrained(_sampling_params(req, state, max_tokens=req.max_tokens,
                                            logprobs=req.logprobs), req)
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -197,11 +196,12 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
 def check_request_tokens(state: ServerState, prompt_lengths: list[int],
                          params: SamplingParams, max_param: str) -> None:
     """The tokens a request may put through the engine, each prompt's tokens once and
-    ``n`` x ``max_tokens`` for each prompt (the room left in the context where
-    ``max_tokens`` is unset), within ``--max-request-tokens``."""
+    ``n`` x its reply budget for each prompt (``reply_budget``: the room its context leaves
+    where ``max_tokens`` is unset), within ``--max-request-tokens``."""
     limit = state.settings.max_request_tokens
-    max_tokens = params.max_tokens if params.max_tokens is not None else state.context_tokens
-    total = sum(prompt_lengths) + len(prompt_lengths) * params.n * max_tokens
+    budgets = [reply_budget(params.max_tokens, n, state.context_tokens) for n in prompt_lengths]
+    total = sum(prompt_lengths) + params.n * sum(budgets)
+    max_tokens = max(budgets, default=0)
     if total > limit:
         prompts = f" x {len(prompt_lengths)} prompts" if len(prompt_lengths) > 1 else ""
         raise bad_request(
@@ -272,24 +272,23 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
                               "logit_bias") from None
-        if not 0 <= token_id < state.vocab_size:
-            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary "
-                              f"[0, {state.vocab_size})", "logit_bias")
+        _check_token_ids(state, [token_id], "logit_bias", what="logit_bias token id")
         out[token_id] = value
     return out
 
 
-def _check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
-                          param)
+def _check_token_ids(state: ServerState, token_ids: list[int], param: str,
+                     what: str = "token id") -> None:
+    try:
+        check_token_ids(token_ids, state.vocab_size, what)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 def _fit_context(state: ServerState, num_prompt: int, params: SamplingParams,
                  prompt_param: str, max_param: str) -> SamplingParams:
     """Reject a prompt or ``max_tokens`` that cannot fit the context or the KV cache; an
-    unset ``max_tokens`` becomes whatever room is left."""
+    unset ``max_tokens`` becomes the room the context leaves (``reply_budget``)."""
     limit = state.context_tokens
     if num_prompt == 0:
         raise bad_request("The prompt is empty", prompt_param)
@@ -304,7 +303,7 @@ def _fit_context(state: ServerState, num_prompt: int, params: SamplingParams,
                 f"min_tokens is {params.min_tokens} but the prompt has {num_prompt} tokens and "
                 f"the context is {limit} tokens, so at most {room} tokens can be generated",
                 "min_tokens", code="context_length_exceeded")
-        return params.clone(max_tokens=room)
+        return params.clone(max_tokens=reply_budget(None, num_prompt, limit))
     if params.max_tokens > room:
         raise bad_request(
             f"{max_param} is {params.max_tokens} but the prompt has {num_prompt} tokens and the "

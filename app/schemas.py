@@ -74,11 +74,6 @@ class SamplingFields(_Model):
         return value
 
 
-class TextPart(_Model):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool"]
     content: Any = None

@@ -4,7 +4,7 @@ on the CPU over the same weights in float32 on torch's paths (each weight dequan
 plain float32 maths). Where the two part, the twin's two best tokens there must be a near tie:
 float32 sums taken in another order may flip those, and nothing else.
 
-Used by ``bench.gpu_check``'s ``served`` step and ``tests/test_device_twins.py``.
+Used by ``bench.gpu_check``'s ``served`` step and ``tests/integration/test_device_twins.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from tidal.core.lifecycle import TIMEOUT, Arrival
 from tidal.core.output_processor import OutputProcessor, ParentRequest
 from tidal.core.outputs import RequestOutput
 from tidal.core.request import Request, RequestStatus
-from tidal.core.sampling_params import SamplingParams
+from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.scheduler import Scheduler, SchedulerConfig
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
@@ -107,8 +106,8 @@ class EngineCore:
         error on the next step. One past ``arrival``'s deadline is aborted at the next step."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = self._checked_token_ids(prompt_token_ids, "prompt token id")
-        self._checked_token_ids(list(params.logit_bias or {}), "logit_bias token id")
+        prompt_token_ids = check_token_ids(prompt_token_ids, self.vocab_size, "prompt token id")
+        check_token_ids(list(params.logit_bias or {}), self.vocab_size, "logit_bias token id")
         arrival = arrival or Arrival()
         children = [self._child(request_id, i, list(prompt_token_ids), params, arrival)
                     for i in range(params.n)]
@@ -122,21 +121,12 @@ class EngineCore:
             if self.scheduler.add_request(child) is not None:
                 self._finished_elsewhere.append(child)
 
-    def _checked_token_ids(self, token_ids: list[int], what: str) -> list[int]:
-        """``token_ids`` as ints, or ``ValueError`` for one that is not an integer (numpy's
-        are) or is outside the vocabulary."""
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise ValueError(f"{what} {t!r} is not an integer")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})")
-        return [int(t) for t in token_ids]
-
     def _child(self, request_id: str, index: int, prompt_token_ids: list[int],
                params: SamplingParams, arrival: Arrival) -> Request:
         changes: dict = {"n": 1}
-        if params.max_tokens is None:
-            changes["max_tokens"] = max(1, self.max_model_len - len(prompt_token_ids))
+        if params.max_tokens is None:  # a prompt too long for the context is refused later
+            changes["max_tokens"] = max(1, reply_budget(None, len(prompt_token_ids),
+                                                        self.max_model_len))
         if params.seed is not None:
             changes["seed"] = params.choice_seed(index)
         extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]

@@ -6,7 +6,7 @@ tensor-parallel group (``gpu/multiproc_executor.py``), whose rank 0 sends the sa
 back. The engine sees the same calls either way.
 
 ``create_executor`` and ``run_worker_node`` are the only places outside ``gpu/`` that import
-it (``tests/test_import_rules.py`` holds every other module to that): ``app/`` reaches the
+it (``tests/unit/test_import_rules.py`` holds every other module to that): ``app/`` reaches the
 device through the engine, and the engine through these two.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: the room the context leaves (reply_budget)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -138,3 +139,25 @@ def _check_range(name: str, value: object, lo: float, hi: float | None,
         left = "(" if lo_open else "["
         raise ValueError(f"{name} must be in {left}{lo}, {hi if hi is not None else 'inf'}], "
                          f"got {value}")
+
+
+def reply_budget(max_tokens: int | None, num_prompt_tokens: int, context_tokens: int) -> int:
+    """The tokens a reply may take: ``max_tokens`` when set, else the room the context leaves
+    after the prompt. The one rule for an unset ``max_tokens``, the same for the HTTP API,
+    the websocket chat and the offline ``LLM`` (docs/api.md); a prompt that fills the context
+    leaves 0, which callers refuse."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(context_tokens - num_prompt_tokens, 0)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> list[int]:
+    """``token_ids`` as Python ints, or ``ValueError`` naming the first that is not an integer
+    (numpy's are) or lies outside the vocabulary: the one check of client-given token ids
+    (prompts, ``logit_bias`` keys), for the HTTP API and the offline ``LLM`` alike."""
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{what} {t!r} is not an integer")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what} {t} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in token_ids]

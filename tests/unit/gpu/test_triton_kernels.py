@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
 from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tests.paths import ROOT
 from tidal.gpu.attention import triton_kernels as tk  # noqa: E402
 from tidal.gpu.attention.metadata import AttentionMetadata  # noqa: E402
 from tidal.gpu.attention.paged_layout import paged_layout, random_caches  # noqa: E402
@@ -32,7 +32,6 @@ from tidal.gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parent.parent
 DEVICE = KERNEL_TEST_DEVICE
 ON_GPU = DEVICE != "cpu"
 # (block_size, head_dim, GQA group); the GPU also runs the 64/128 cases at larger sizes
@@ -277,7 +276,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     interpreter, once on, is on for the whole process."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
                TRITON_DEFAULT_FP_FUSION="1")
-    code = "from tests.test_triton_kernels import compile_for_hopper; compile_for_hopper()"
+    code = "from tests.unit.gpu.test_triton_kernels import compile_for_hopper; compile_for_hopper()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -65,6 +65,16 @@ def test_n_gives_independent_choices_and_one_params_per_prompt(llm):
         llm.generate([[5], [6], [7]], per_prompt, use_tqdm=False)
 
 
+def test_an_unset_max_tokens_runs_to_the_end_of_the_context(llm):
+    """``SamplingParams()`` sets no ``max_tokens``: the reply may take the room the context
+    leaves, as over HTTP (``reply_budget``)."""
+    prompt = [5, 6, 7]
+    out = llm.generate([prompt], SamplingParams(ignore_eos=True, temperature=0.0),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == llm.engine.max_model_len - len(prompt)
+    assert out.finish_reason == "length"
+
+
 def test_seeds_at_the_top_of_64_bits_wrap_for_later_choices(llm):
     """Choices 1 and 2 of seed 2**64 - 1 draw from seeds 0 and 1, as torch has no larger."""
     params = SamplingParams(n=3, max_tokens=5, seed=2**64 - 1, ignore_eos=True)

@@ -139,7 +139,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_quantized_models_decode_step_is_the_python_models(model_dir, quantization):
-    from tests.test_decode_stack import CONTEXTS, _forward, _step
+    from tests.unit.gpu.test_decode_stack import CONTEXTS, _forward, _step
 
     model = load_model(model_dir, ModelConfig.from_dir(model_dir),
                        get_attention_backend("cpu", "cpu"), 512, torch.float32, "cpu",

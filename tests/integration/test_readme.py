@@ -68,7 +68,8 @@ TEXT = README.read_text()
 BLOCKS = readme_blocks(TEXT)
 TOUR = [b for b in BLOCKS if b.section == "Quick tour"]
 SERVING = [b for b in BLOCKS if b.section == "Serving"]
-REPLICAS_SECTION = "Several replicas behind a router"  # its commands: tests/test_router.py
+# its commands are run by tests/integration/test_router.py
+REPLICAS_SECTION = "Several replicas behind a router"
 
 
 def at(url: str, port: int) -> str:

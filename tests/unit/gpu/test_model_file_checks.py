@@ -17,6 +17,7 @@ import pytest
 
 from tests.gguf_writing import write_gguf
 from tests.live_server import running_server
+from tests.paths import ROOT
 from tidal.core.config import EngineConfig, load_tokenizer
 from tidal.gpu.model_checks import (
     ModelFileError,
@@ -169,7 +170,7 @@ def test_server_refuses_a_million_layers_fast_without_allocating(model_dir: Path
     done = subprocess.run(
         [sys.executable, "-c", _PEAK_RSS, sys.executable, "-m", "tidal", "serve", "--model",
          str(model), "--port", "0"], capture_output=True, timeout=300,
-        cwd=Path(__file__).resolve().parent.parent)
+        cwd=ROOT)
     elapsed = time.monotonic() - started
     code, peak_kb = map(int, done.stdout.split())
     log = done.stderr.decode()

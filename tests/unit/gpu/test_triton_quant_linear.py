@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -28,6 +27,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from tests.device import KERNEL_TEST_DEVICE  # noqa: E402
+from tests.paths import ROOT
 from tidal.gpu.cpu.selector import TORCH, Plan  # noqa: E402
 from tidal.gpu.quantization import triton_linear as tq  # noqa: E402
 from tidal.gpu.quantization.linear import (  # noqa: E402
@@ -40,7 +40,6 @@ from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int4, quant
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parent.parent
 DEVICE = KERNEL_TEST_DEVICE
 K, N = 256, 72  # N: two tiles and a part of 32, one and a part of 64
 ROWS = (1, 3, 16, 33, 130)
@@ -265,7 +264,7 @@ def test_kernel_compiles_for_hopper(tmp_path):
     checks and ptxas, with or without a GPU at hand. In a fresh process, since the
     interpreter, once on, is on for the whole process."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    code = ("from tests.test_triton_quant_linear import compile_for_hopper; "
+    code = ("from tests.unit.gpu.test_triton_quant_linear import compile_for_hopper; "
             "compile_for_hopper()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.device import TEST_DEVICE, on_test_device
 from tests.hf_reference import reference_prompts
+from tests.paths import ROOT
 from tidal.core import LLM, SamplingParams
 from tidal.core.config import EngineConfig
 from tidal.core.executor import ExecutorFailedError
@@ -164,7 +164,7 @@ def test_the_group_on_the_device_runs_its_collectives():
         leave_tensor_parallel()
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                          timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     backend = "gloo" if TEST_DEVICE == "cpu" else "nccl"
     device = "cpu" if TEST_DEVICE == "cpu" else "cuda"

@@ -21,6 +21,7 @@ import pytest
 import websockets
 
 from bench.processes import LaunchedServer, stop_process
+from tests.integration.test_websocket_server import LONG, turn_frames, ws_url
 from tests.live_server import (
     DEVICE_ARGS,
     aborted,
@@ -28,9 +29,8 @@ from tests.live_server import (
     running_server,
     wait_until_idle,
 )
-from tests.test_websocket_server import LONG, turn_frames, ws_url
 from tidal.app.chat_template import ChatTemplate
-from tidal.app.conversation import reply_room
+from tidal.app.conversation import truncation_reserve
 
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = pytest.mark.timeout(180)
@@ -357,11 +357,12 @@ async def test_page_defaults_chat_for_ten_turns_on_the_embedded_model(
             # The server dropped the oldest turns exactly when what the page sent left less
             # than the reply's room; the page stops sending them and says so.
             new_start = await page.evaluate("tidalChat.contextStart")
-            outgrown = prompt_tokens(sent) + reply_room(context) > context
+            outgrown = prompt_tokens(sent) + truncation_reserve(context) > context
             assert (new_start > start) == outgrown, (turn, start, new_start)
             assert new_start % 2 == 0 and new_start <= 2 * turn
             if outgrown:
-                assert prompt_tokens(sent[new_start - start:]) + reply_room(context) <= context
+                kept = prompt_tokens(sent[new_start - start:])
+                assert kept + truncation_reserve(context) <= context
             dropped_ever |= outgrown
             note = await page.evaluate("""(() => { const n = document.getElementById(
                 'dropped-note'); return n && n.offsetParent !== null ? n.textContent : null;

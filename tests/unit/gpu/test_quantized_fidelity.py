@@ -5,8 +5,6 @@ held-out loss of the embedded model)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,6 +18,7 @@ from tests.hf_reference import (
     reference_prompts,
     replace_hf_linears,
 )
+from tests.paths import DATA
 from tidal.core import DEFAULT_MODEL, SamplingParams
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.quantization import linear
@@ -30,7 +29,7 @@ from tidal.gpu.training.heldout import nats_per_char
 
 pytestmark = pytest.mark.gpu
 
-HELD_OUT = Path(__file__).with_name("data") / "heldout-shakespeare.txt"
+HELD_OUT = DATA / "heldout-shakespeare.txt"
 FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64)}
 # Bounds against the float original: the top logprob at each of the float run's tokens (nats,
 # for TOP_LOGPROB_SHARE of them), and the embedded model's held-out loss (nats per character)

@@ -21,7 +21,7 @@ from tests.live_server import (
     wait_metrics,
     wait_until_idle,
 )
-from tests.test_websocket import HELLO, WS_PATH
+from tests.unit.app.test_websocket import HELLO, WS_PATH
 
 # A stuck stream must fail its test, not stall the suite.
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
+
 DOORS = {"core/executor.py"}  # the modules outside gpu/ that may import it
 
 

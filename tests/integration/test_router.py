@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from bench.processes import LaunchedServer, SglangRouter
+from tests.integration.test_readme import BLOCKS, REPLICAS_SECTION, commands
 from tests.live_server import DEVICE_ARGS, build_chat_model, metrics
-from tests.test_readme import BLOCKS, REPLICAS_SECTION, commands
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (the dev extra)")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

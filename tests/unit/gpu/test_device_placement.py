@@ -82,7 +82,7 @@ def test_float_checkpoints_load_whole_onto_the_device(model_dirs, quantization, 
 
 def test_gguf_files_load_whole_onto_the_device(tmp_path):
     from tests.gguf_writing import write_gguf
-    from tests.test_gguf import SHAPE, _types
+    from tests.unit.gpu.test_gguf import SHAPE, _types
 
     model_dir = build_model_dir(tmp_path / "hf", "llama", **SHAPE)
     path = tmp_path / "model.gguf"
@@ -95,7 +95,7 @@ def test_gguf_files_load_whole_onto_the_device(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["gptq-v1-int4-g32", "awq-g32", "ct-w8-channel"])
 def test_quantized_checkpoints_load_whole_onto_the_device(tmp_path, fmt):
-    from tests.test_gptq_awq import FORMATS, build_checkpoint
+    from tests.unit.gpu.test_gptq_awq import FORMATS, build_checkpoint
 
     model = _load_on_meta(build_checkpoint(tmp_path, FORMATS[fmt]).path)
     assert any(isinstance(m, QuantLinear) for m in model.modules())

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_quant_kernels import FORMATS, ROWS, K, _random
+from tests.unit.gpu.test_quant_kernels import FORMATS, ROWS, K, _random
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.selector import Plan
 from tidal.gpu.quantization.linear import ACTIVATION_BLOCK as BLOCK

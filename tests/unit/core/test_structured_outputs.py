@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 from tests.device import on_test_device
-from tests.test_scheduler import run_workload, workload
+from tests.unit.core.test_scheduler import run_workload, workload
 from tidal.core.config import DEFAULT_MODEL
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.llm import LLM

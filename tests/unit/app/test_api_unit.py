@@ -12,6 +12,7 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
+from tests.paths import ROOT
 from tidal.app.banner import base_url, package_version
 from tidal.app.chat_template import ChatTemplate
 from tidal.app.cli import build_parser, parse_bytes
@@ -269,8 +270,24 @@ def test_model_may_be_left_out_when_not_required(state: ServerState) -> None:
                                           ([[5, 6], [7]], 2)])
 def test_completion_prompt_shapes(state: ServerState, prompt: Any, count: int) -> None:
     prep = prepare_completion_request({"model": "tiny", "prompt": prompt, "n": 2}, state)
-    assert len(prep.prompts) == count and prep.params.n == 2 and prep.params.max_tokens == 16
+    assert len(prep.prompts) == count and prep.params.n == 2
     assert all(p.token_ids for p in prep.prompts)
+    assert prep.params.max_tokens is None  # each prompt's room, decided by the engine
+
+
+def test_an_unset_max_tokens_is_the_room_left_in_chat_and_completions(state: ServerState
+                                                                       ) -> None:
+    """The one rule (``reply_budget``): a chat's budget is the context less its prompt; a
+    completion's prompts each get theirs from the engine, and the request's token budget
+    counts the same room."""
+    chat = prepare_chat_request({"model": "tiny", "messages": CHAT}, state)
+    assert chat.params.max_tokens == state.context_tokens - len(chat.prompt_token_ids)
+    room = state.context_tokens - 3
+    state.settings.max_request_tokens = 3 + room
+    prepare_completion_request({"model": "tiny", "prompt": [5, 6, 7]}, state)
+    state.settings.max_request_tokens -= 1
+    with pytest.raises(ApiError, match=f"max_tokens {room}\\)"):
+        prepare_completion_request({"model": "tiny", "prompt": [5, 6, 7]}, state)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -398,7 +415,7 @@ def test_cli_flags(model_dir: Path) -> None:
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     """``tidal --version`` prints the package's version, the one pyproject.toml declares."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = ROOT / "pyproject.toml"
     declared = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
     assert package_version() == declared.group(1)
     with pytest.raises(SystemExit) as exit_:

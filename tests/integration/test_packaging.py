@@ -12,7 +12,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
+
 PARTS = ("app", "core", "gpu", "templates")
 
 USER_SIDE = textwrap.dedent("""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from tests.test_tool_parsers import (
+from tests.unit.app.test_tool_parsers import (
     NAMES,
     SCHEMAS,
     TOOLS,

@@ -7,12 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.paths import ROOT
 from tidal.core import LLM, SamplingParams
 from tidal.gpu.cpu.packed_linear import PackedLinear
 from tidal.gpu.model_config import ModelConfig
@@ -100,12 +100,12 @@ def test_loading_a_model_imports_no_compiler(model_dir):
     """A model is built on the meta device before its weights are read; initializers and
     maths on meta tensors run through torch's Python reference ops, which import
     torch._dynamo (and Triton with it) into a process that never compiles."""
-    code = ("import sys; from core import LLM; LLM(sys.argv[1]); "
+    code = ("import sys; from tidal import LLM; LLM(sys.argv[1]); "
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'; "
             "assert 'triton' not in sys.modules, 'triton was imported'")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code, str(model_dir)], check=True, env=env,
-                   cwd=Path(__file__).resolve().parents[1], timeout=600)
+                   cwd=ROOT, timeout=600)
 
 
 def test_layers_are_initialized_again_once_the_model_is_built():

@@ -4,11 +4,26 @@ import pytest
 import torch
 
 from tidal.core import SamplingParams
+from tidal.core.sampling_params import check_token_ids, reply_budget
 
 
 def test_defaults_are_valid():
     p = SamplingParams()
-    assert p.n == 1 and p.max_tokens == 16 and not p.greedy
+    assert p.n == 1 and p.max_tokens is None and not p.greedy
+
+
+def test_an_unset_max_tokens_is_the_room_the_context_leaves():
+    assert reply_budget(None, 10, 64) == 54
+    assert reply_budget(7, 10, 64) == 7
+    assert reply_budget(None, 64, 64) == 0 and reply_budget(None, 80, 64) == 0
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    assert check_token_ids([0, 5, 9], 10, "prompt token id") == [0, 5, 9]
+    with pytest.raises(ValueError, match="prompt token id 10 is outside the vocabulary"):
+        check_token_ids([3, 10], 10, "prompt token id")
+    with pytest.raises(ValueError, match="True is not an integer"):
+        check_token_ids([True], 10, "prompt token id")
 
 
 @pytest.mark.parametrize("field,value", [

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from tidal.app import websocket as websocket_module
 from tidal.app.chat_completions import chat_completions
 from tidal.app.chat_template import ChatTemplate
-from tidal.app.conversation import reply_room
+from tidal.app.conversation import truncation_reserve
 from tidal.app.errors import ApiError
 from tidal.app.metrics import ServerMetrics
 from tidal.app.server_state import ServerSettings, ServerState
@@ -349,7 +349,7 @@ def test_scripted_truncation_without_max_tokens_leaves_room_for_a_reply(
         tokenizer: Any) -> None:
     engine = ScriptedEngine()
     conversation = _conversation(4)
-    room = reply_room(SMALL_CONTEXT)
+    room = truncation_reserve(SMALL_CONTEXT)
     assert len(_prompt_ids(tokenizer, conversation)) + room > SMALL_CONTEXT
     with _client(tokenizer, engine, max_model_len=SMALL_CONTEXT) as client, \
             client.websocket_connect(WS_PATH) as ws:
@@ -415,7 +415,7 @@ def test_scripted_truncation_cannot_shorten_the_last_message(tokenizer: Any) -> 
         # When dropping every earlier turn still leaves less room than wanted, the last
         # message goes alone and gets the room there is.
         medium = [*_conversation(2)[:-1], {"role": "user", "content": "why " * 50}]
-        assert SMALL_CONTEXT - len(_prompt_ids(tokenizer, medium[-1:])) < reply_room(
+        assert SMALL_CONTEXT - len(_prompt_ids(tokenizer, medium[-1:])) < truncation_reserve(
             SMALL_CONTEXT)
         ws.send_json({"messages": medium, "truncation": "auto"})
         _, done = _turn(ws)

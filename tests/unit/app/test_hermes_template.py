@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.test_tool_parsers import TOOLS
+from tests.unit.app.test_tool_parsers import TOOLS
 from tidal.app.chat_template import _environment
 from tidal.app.tool_parsers import (
     get_parser,
