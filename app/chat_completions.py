@@ -107,7 +107,7 @@ def _tool_delta(streamer: ToolCallStreamer, comp: CompletionOutput
     ``tool_calls`` fragments; ``finish_reason`` "tool_calls" if it called any."""
     parts = [streamer.feed(comp.text)] if comp.text else []
     if comp.finish_reason is not None:
-        parts.append(streamer.finish())
+        parts.append(streamer.finish(cut=comp.finish_reason == "length"))
     delta: dict[str, Any] = {}
     content = "".join(p.content for p in parts)
     calls = [c for p in parts for c in p.tool_calls]
@@ -126,7 +126,7 @@ def _message(prep: PreparedRequest, comp: CompletionOutput) -> tuple[dict[str, A
     """The non-streamed ``message`` and ``finish_reason`` of one choice."""
     if prep.tool_use is None:
         return {"role": "assistant", "content": comp.text}, comp.finish_reason
-    reply = prep.tool_use.parser.extract(comp.text)
+    reply = prep.tool_use.parser.extract(comp.text, cut=comp.finish_reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]

@@ -15,11 +15,16 @@ EMPTY_PARAMETERS = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """A request's tool choice resolved against its tools: ``mode`` is "auto" or "forced"
-    (the reply is calls only), ``functions`` maps the callable names to their schemas."""
+    """A request's tool choice resolved against its tools: ``mode`` is "auto" (text or
+    calls), "required" (one or more calls, the reply calls only) or "named" (exactly one call
+    of the one function); ``functions`` maps the callable names to their schemas."""
 
     mode: str
     functions: dict[str, dict[str, Any]]
+
+    def parallel(self, parallel_tool_calls: bool) -> bool:
+        """Whether a second call may follow the first: never for a named function."""
+        return parallel_tool_calls and self.mode != "named"
 
 
 def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -49,11 +54,11 @@ def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any
     if tool_choice == "required":
         if not schemas:
             raise ValueError("tool_choice is 'required' but no tools were given")
-        return ToolChoice("forced", schemas)
+        return ToolChoice("required", schemas)
     name = _named_function(tool_choice)
     if name not in schemas:
         raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
-    return ToolChoice("forced", {name: schemas[name]})
+    return ToolChoice("named", {name: schemas[name]})
 
 
 def _named_function(tool_choice: Any) -> str:
@@ -87,8 +92,9 @@ class ToolParser(ABC):
     trigger: ClassVar[str]  # what opens a call in free text, for the grammar
     separator: ClassVar[str]  # between calls where the reply is calls only
 
-    def extract(self, text: str) -> ParsedReply:
-        return split_reply(self.syntax, text)
+    def extract(self, text: str, cut: bool = False) -> ParsedReply:
+        """A whole reply's content and calls (``cut``: it ran into ``max_tokens``)."""
+        return split_reply(self.syntax, text, cut)
 
     def streamer(self) -> ToolCallStreamer:
         return ToolCallStreamer(self.syntax)
@@ -100,10 +106,11 @@ class ToolParser(ABC):
         if choice is None:
             return None
         tags = [self.call_tag(name, schema) for name, schema in choice.functions.items()]
+        parallel = choice.parallel(parallel_tool_calls)
         if choice.mode == "auto":
-            body = self.auto_format(tags, parallel_tool_calls)
+            body = self.auto_format(tags, parallel)
         else:
-            body = self.forced_format(tags, parallel_tool_calls)
+            body = self.forced_format(tags, parallel)
         return {"type": "structural_tag", "format": body}
 
     @abstractmethod
@@ -111,9 +118,21 @@ class ToolParser(ABC):
         """The tag one call to ``name`` is written as, its arguments held to ``schema``."""
 
     def auto_format(self, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-        """Free text, where each trigger opens one of ``tags``."""
+        """Free text, where each trigger opens one of ``tags``; the format's other markers
+        may not appear in the text (they would be call markup in the content)."""
         return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
-                "at_least_one": False, "stop_after_first": not parallel}
+                "at_least_one": False, "stop_after_first": not parallel,
+                "excludes": self.text_excludes()}
+
+    def markers(self) -> list[str]:
+        """Every marker of the format's calls: its triggers and its closer."""
+        found = [t.text for t in self.syntax.triggers] + [self.syntax.closer]
+        return [m for m in dict.fromkeys(found) if m]
+
+    def text_excludes(self) -> list[str]:
+        """The markers free text may not contain: all but the grammar's own trigger, which
+        opens a call, and the JSON openers of formats whose calls are bare objects."""
+        return [m for m in self.markers() if m != self.trigger and not m.startswith("{")]
 
     def forced_format(self, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
         """Calls only, at least one."""

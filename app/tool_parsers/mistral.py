@@ -24,7 +24,8 @@ class MistralToolParser(ToolParser):
         """Free text, then at most one list of calls, which ends the reply."""
         return {"type": "triggered_tags", "triggers": [self.trigger],
                 "tags": [self.forced_format(tags, parallel)],
-                "at_least_one": False, "stop_after_first": True}
+                "at_least_one": False, "stop_after_first": True,
+                "excludes": self.text_excludes()}
 
     def forced_format(self, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
         return {"type": "tag", "begin": "[TOOL_CALLS][",

@@ -5,18 +5,18 @@ on every way of cutting it into deltas: every decision is made at a character po
 the text up to a fixed distance past it, never on where a delta ended. Text that may still
 turn out to be a trigger, and the whitespace before it, is held back until it is known.
 
-A call is committed (its id and name are sent) once its name is complete and its arguments
-object has begun, and its arguments are then sent as they arrive. ``extract`` commits a call
-only when its object is complete, so a call that breaks off (a model writing without a
-grammar, a reply cut by ``max_tokens``) is content there, while a stream that already sent
-its start keeps it, with the arguments it sent.
+A call is sent whole (id, name and arguments in one delta) once its object is complete, so
+that a stream and ``extract`` agree on every reply, a reply cut short included. Where the
+reply ends inside a call (cut by ``max_tokens`` or a stop string), or right after a trigger,
+that unfinished call is dropped: it is neither a call nor content, so no call markup ever
+reaches the content. Text that breaks a call's syntax (a model writing a trigger in free text)
+is content, from the trigger on.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 from tidal.app.tool_parsers.calls import (
@@ -40,21 +40,11 @@ class _State(Enum):
     AFTER_CALL = "after call"  # the closer, or the list's "," or "]"
 
 
-@dataclass
-class _OpenCall:
-    scanner: JsonScanner
-    name: str | None = None
-    call: ToolCall | None = None  # set when committed
-    sent_to: int = 0  # the arguments text sent so far ends here
-
-
 class CallSplitter:
-    """Content and calls of one reply. ``eager`` streams a call from its start; without it a
-    call is taken only when complete (``extract``)."""
+    """Content and calls of one reply, fed as it arrives."""
 
-    def __init__(self, syntax: CallSyntax, eager: bool) -> None:
+    def __init__(self, syntax: CallSyntax) -> None:
         self.syntax = syntax
-        self.eager = eager
         self.text = ""
         self.pos = 0
         self.state = _State.TEXT
@@ -67,7 +57,7 @@ class CallSplitter:
         self._region_ws = 0  # where the whitespace held before it starts
         self._region_calls = 0
         self._last_call_end = 0
-        self._open: _OpenCall | None = None
+        self._scanner: JsonScanner | None = None  # the open call's object
         self._delta = StreamDelta()
         self._trigger_starts = frozenset(t.text[0] for t in syntax.triggers)
 
@@ -78,7 +68,12 @@ class CallSplitter:
         self._run()
         return self._take()
 
-    def finish(self) -> StreamDelta:
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """The rest once the reply has ended. In a reply ``cut`` short (by ``max_tokens``), a
+        trailing start of a trigger (``<tool_``) is a call that never came, and is dropped."""
+        if (cut and self.state is _State.TEXT and self.pos < len(self.text)
+                and self._trigger_at(self.pos) is _UNDECIDED):
+            self.text, self._held_ws = self.text[:self.pos], None
         self.final = True
         self._run()
         if self._held_ws is not None:
@@ -87,8 +82,9 @@ class CallSplitter:
         return self._take()
 
     def result(self) -> ParsedReply:
+        """Content None where there is none (or only whitespace beside calls)."""
         content = "".join(self.content)
-        if self.calls and not content.strip():
+        if not content or self.calls and not content.strip():
             return ParsedReply(None, list(self.calls))
         return ParsedReply(content, list(self.calls))
 
@@ -112,19 +108,8 @@ class CallSplitter:
             self._delta.content += text
 
     def _emit_call(self, call: ToolCall) -> None:
-        self._delta.tool_calls.append({
-            "index": len(self.calls) - 1, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": ""}})
-
-    def _emit_arguments(self, fragment: str) -> None:
-        if not fragment:
-            return
-        self.calls[-1].arguments += fragment
-        index, items = len(self.calls) - 1, self._delta.tool_calls
-        if items and items[-1]["index"] == index and "id" not in items[-1]:
-            items[-1]["function"]["arguments"] += fragment
-        else:
-            items.append({"index": index, "function": {"arguments": fragment}})
+        self.calls.append(call)
+        self._delta.tool_calls.append({"index": len(self.calls) - 1, **call.to_openai()})
 
     # -- states ----------------------------------------------------------------------------
     # Each step returns False when it needs more text than has arrived.
@@ -181,7 +166,7 @@ class CallSplitter:
 
     def _before_list(self) -> bool:
         if not self._skip(str.isspace):
-            return self.final and self._break()
+            return self.final and self._cut()
         if self.text[self.pos] != "[":
             return self._break()
         self.pos += 1
@@ -190,26 +175,22 @@ class CallSplitter:
 
     def _before_call(self) -> bool:
         if not self._skip(str.isspace):
-            return self.final and self._break()
+            return self.final and self._cut()
         if self.text[self.pos] != "{":
             return self._break()
-        self._open = _OpenCall(JsonScanner())
+        self._scanner = JsonScanner()
         self.state = _State.IN_CALL
         return True
 
     def _in_call(self) -> bool:
-        open_call = self._open
+        scanner = self._scanner
         while self.pos < len(self.text):
-            if not open_call.scanner.feed(self.text, self.pos):
-                return self._broken_call()
+            if not scanner.feed(self.text, self.pos):
+                return self._break()
             self.pos += 1
-            if open_call.scanner.done:
+            if scanner.done:
                 return self._complete_call()
-            if self.eager and open_call.call is None:
-                self._commit()
-        if open_call.call is not None:
-            self._send_arguments()
-        return self.final and self._broken_call()
+        return self.final and self._cut()
 
     def _after_call_step(self) -> bool:
         if not self._skip(str.isspace):
@@ -229,28 +210,6 @@ class CallSplitter:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _commit(self) -> bool:
-        """Start the open call if its name is complete and its arguments object has begun."""
-        open_call = self._open
-        if open_call.name is None:
-            open_call.name = self._name(open_call.scanner)
-        arguments = self._arguments_span(open_call.scanner)
-        if open_call.name is None or arguments is None or self.text[arguments[0]] != "{":
-            return False
-        call = ToolCall(new_call_id(), open_call.name, "")
-        self.calls.append(call)
-        self._open.call, self._open.sent_to = call, arguments[0]
-        self._emit_call(call)
-        self._send_arguments()
-        return True
-
-    def _send_arguments(self) -> None:
-        start, end = self._arguments_span(self._open.scanner)
-        stop = self.pos if end is None else end
-        if stop > self._open.sent_to:
-            self._emit_arguments(self.text[self._open.sent_to:stop])
-            self._open.sent_to = stop
-
     def _name(self, scanner: JsonScanner) -> str | None:
         span = scanner.members.get("name")
         if span is None or span[1] is None:
@@ -265,34 +224,37 @@ class CallSplitter:
         return None
 
     def _complete_call(self) -> bool:
-        if self._open.call is None and not self._commit():
+        """The call object has closed: a call if it names a function and holds an arguments
+        object, else what looked like a call is text."""
+        scanner = self._scanner
+        name, arguments = self._name(scanner), self._arguments_span(scanner)
+        if name is None or arguments is None or self.text[arguments[0]] != "{":
             return self._break()
-        self._send_arguments()
-        self._open = None
+        self._emit_call(ToolCall(new_call_id(), name, self.text[arguments[0]:arguments[1]]))
+        self._scanner = None
         self._region_calls += 1
         self._last_call_end = self.pos
         self.state = _State.AFTER_CALL
         return True
 
-    def _broken_call(self) -> bool:
-        """A call object that can't be completed: content, unless already sent."""
-        if self._open.call is None:
-            return self._break()
-        self._send_arguments()
-        self._open = None
-        self.state = _State.TEXT
-        return True
-
     def _break(self) -> bool:
         """What looked like a call isn't one: back to text, from its trigger's second
         character, or from the end of the region's last call."""
-        self._open = None
+        self._scanner = None
         self.state = _State.TEXT
         if self._region_calls:
             self.pos = self._last_call_end
             return True
         self._emit(self.text[self._region_ws:self._region + 1])
         self.pos = self._region + 1
+        return True
+
+    def _cut(self) -> bool:
+        """The reply ended inside a call or right after a trigger: the unfinished call is
+        dropped, with the whitespace before it; the region's finished calls stay."""
+        self._scanner = None
+        self.pos = len(self.text)
+        self.state = _State.TEXT
         return True
 
     def _end_region(self, pos: int) -> bool:
@@ -312,22 +274,22 @@ class ToolCallStreamer:
     """A streamed reply's content and tool-call deltas, in OpenAI's chunk shape."""
 
     def __init__(self, syntax: CallSyntax) -> None:
-        self._splitter = CallSplitter(syntax, eager=True)
+        self._splitter = CallSplitter(syntax)
 
     def feed(self, delta_text: str) -> StreamDelta:
         return self._splitter.feed(delta_text)
 
-    def finish(self) -> StreamDelta:
-        """The held-back rest, once the reply has ended."""
-        return self._splitter.finish()
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """The held-back rest, once the reply has ended (``cut``: by ``max_tokens``)."""
+        return self._splitter.finish(cut)
 
     def result(self) -> ParsedReply:
         """The reply as streamed, with the streamed calls' ids."""
         return self._splitter.result()
 
 
-def split_reply(syntax: CallSyntax, text: str) -> ParsedReply:
-    splitter = CallSplitter(syntax, eager=False)
+def split_reply(syntax: CallSyntax, text: str, cut: bool = False) -> ParsedReply:
+    splitter = CallSplitter(syntax)
     splitter.feed(text)
-    splitter.finish()
+    splitter.finish(cut)
     return splitter.result()

@@ -17,6 +17,7 @@ from tests.unit.app.test_tool_parsers import (
     SCHEMAS,
     TOOLS,
     assert_streams_like_extract,
+    render_calls,
 )
 from tidal.app.tool_parsers import (
     HermesToolParser,
@@ -49,6 +50,9 @@ def test_structural_tag_shapes():
     assert [t["begin"] for t in named["tags"]] == [
         '<tool_call>\n{"name": "search", "arguments": ']
     assert named["stop_after_first"]
+    named_parallel = hermes.structural_tag(
+        TOOLS, {"type": "function", "function": {"name": "search"}}, True)["format"]
+    assert named_parallel["stop_after_first"]  # a named function: exactly one call
 
 
 def test_structural_tag_mistral_and_llama():
@@ -209,7 +213,7 @@ def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
 def check_constrained_reply(parser: ToolParser, text: str, choice, parallel: bool) -> None:
     reply = assert_streams_like_extract(parser, text)
     assert reply.tool_calls, text
-    assert len(reply.tool_calls) == 1 or parallel
+    assert len(reply.tool_calls) == 1 or parallel and choice in ("auto", "required")
     for call in reply.tool_calls:
         assert call.name in SCHEMAS and (choice in ("auto", "required")
                                          or call.name == "get_weather")
@@ -219,3 +223,23 @@ def check_constrained_reply(parser: ToolParser, text: str, choice, parallel: boo
         assert parser.trigger.strip() not in (reply.content or "")
     else:
         assert reply.content is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_named_function_is_called_exactly_once(walker, name):
+    """After the one call of a named ``tool_choice`` the grammar ends (parallel calls
+    allowed or not): a second call cannot begin, and only a stop token can follow."""
+    compiler, walker = walker
+    parser = get_parser(name)
+    named = {"type": "function", "function": {"name": "ping"}}
+    compiled = compiler.compile_structural_tag(structural_tag_json(
+        parser.structural_tag(TOOLS, named, True)))
+    call = render_calls(name, [("ping", '{"x": 1}')])
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(call)
+    assert not xgr.GrammarMatcher(compiled).accept_string(call + AGAIN[name].strip() + "{")
+    bitmask = xgr.allocate_token_bitmask(1, len(walker.vocab))
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+    allowed = {int(t) for t in np.flatnonzero(bits[:len(walker.vocab)])}
+    assert allowed and allowed <= walker.stops

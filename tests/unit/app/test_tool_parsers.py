@@ -72,26 +72,21 @@ def triggers(parser: str) -> list[str]:
 
 # -- streaming helpers -------------------------------------------------------------------------
 
-def stream(parser: ToolParser, deltas: list[str]) -> tuple[str, list[dict], ParsedReply]:
+def stream(parser: ToolParser, deltas: list[str], cut: bool = False
+           ) -> tuple[str, list[dict], ParsedReply]:
     """Content, calls ({id, name, arguments}) and result of a reply fed as ``deltas``,
-    checking the shape of every delta item on the way."""
+    checking the shape of every delta item on the way: each call arrives whole, in one."""
     streamer = parser.streamer()
     content, calls = "", []
-    for delta in [*(streamer.feed(d) for d in deltas), streamer.finish()]:
+    for delta in [*(streamer.feed(d) for d in deltas), streamer.finish(cut)]:
         content += delta.content
         for item in delta.tool_calls:
-            index = item["index"]
-            if "id" in item:
-                assert index == len(calls)
-                assert item["type"] == "function" and item["function"]["arguments"] == ""
-                assert re.fullmatch(r"call_[0-9a-f]{24}", item["id"])
-                calls.append({"id": item["id"], "name": item["function"]["name"],
-                              "arguments": ""})
-            else:
-                assert set(item) == {"index", "function"} and set(item["function"]) == {
-                    "arguments"}
-                assert index == len(calls) - 1 and item["function"]["arguments"]
-                calls[index]["arguments"] += item["function"]["arguments"]
+            assert set(item) == {"index", "id", "type", "function"}
+            assert item["index"] == len(calls) and item["type"] == "function"
+            assert re.fullmatch(r"call_[0-9a-f]{24}", item["id"])
+            function = item["function"]
+            assert function["name"] and function["arguments"].startswith("{")
+            calls.append({"id": item["id"], **function})
     return content, calls, streamer.result()
 
 
@@ -109,10 +104,11 @@ def chunkings(text: str, seed: int) -> list[list[str]]:
     return cuts
 
 
-def assert_streams_like_extract(parser: ToolParser, text: str, seed: int = 0) -> ParsedReply:
-    expected = parser.extract(text)
+def assert_streams_like_extract(parser: ToolParser, text: str, seed: int = 0,
+                                cut: bool = False) -> ParsedReply:
+    expected = parser.extract(text, cut)
     for deltas in chunkings(text, seed):
-        content, calls, result = stream(parser, deltas)
+        content, calls, result = stream(parser, deltas, cut)
         assert content == (expected.content or "")
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c.name, c.arguments) for c in expected.tool_calls]
@@ -154,7 +150,7 @@ def test_extract_calls_and_content(name):
 def test_extract_without_calls_keeps_the_text(name):
     text = "  A plain answer: {\"name\" is a key} [TOOL] <tool> {\"name\": 1}\n"
     assert get_parser(name).extract(text) == ParsedReply(text, [])
-    assert get_parser(name).extract("") == ParsedReply("", [])
+    assert get_parser(name).extract("") == ParsedReply(None, [])  # no content at all
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -213,7 +209,7 @@ GARBAGE = {
                '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>',
                '<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>'],
     "llama3_json": ['<|python_tag|>brave_search.call(query="x")',
-                    '{"name": "f", "parameters": {"a": 01}}', '{"name": "f", "parameters": {'],
+                    '{"name": "f", "parameters": {"a": 01}}'],
     "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": {"a": [1,}}]', "[TOOL_CALLS]{}",
                 '[TOOL_CALLS][{"name": "f", "arguments": {"s": "\x01"}}]'],
 }
@@ -267,14 +263,14 @@ def test_streaming_matches_extract(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_streamed_arguments_arrive_in_pieces(name):
+def test_a_call_arrives_whole_once_its_object_closes(name):
     text = render_calls(name, [("get_weather", ARGS)])
-    _, calls, _ = stream(get_parser(name), list(text))
     streamer = get_parser(name).streamer()
-    fragments = [item for ch in text for item in streamer.feed(ch).tool_calls]
-    assert fragments[0]["function"]["name"] == "get_weather"
-    assert len(fragments) == len(ARGS) + 1  # the call's start, then one per character
-    assert calls[0]["arguments"] == ARGS
+    deltas = [streamer.feed(ch).tool_calls for ch in text]
+    (at,) = [i for i, items in enumerate(deltas) if items]
+    (item,) = deltas[at]
+    assert item["function"] == {"name": "get_weather", "arguments": ARGS}
+    assert text[:at + 1].rstrip().endswith("}")  # the character that closed the object
 
 
 def test_a_trigger_prefix_is_held_back():
@@ -284,8 +280,7 @@ def test_a_trigger_prefix_is_held_back():
     streamer = get_parser("hermes").streamer()
     assert streamer.feed("Hello <tool_").content == "Hello"
     delta = streamer.feed('call>\n{"name": "f", "arguments": {"x"')
-    assert delta.content == "" and delta.tool_calls[0]["function"]["name"] == "f"
-    assert delta.tool_calls[1]["function"]["arguments"] == '{"x"'
+    assert delta.content == "" and delta.tool_calls == []
     assert streamer.finish().content == ""
     llama = get_parser("llama3_json").streamer()
     assert llama.feed("Set {").content == "Set"
@@ -294,30 +289,44 @@ def test_a_trigger_prefix_is_held_back():
 
 
 def test_held_back_text_comes_out_at_the_end():
+    """A reply that ends on the start of a trigger: text when it ended of itself, a call
+    that never came (dropped) when ``max_tokens`` cut it."""
     for name, tail in [("hermes", " <tool_ca"), ("llama3_json", ' {"na'),
                        ("mistral", " [TOOL_")]:
         streamer = get_parser(name).streamer()
         assert streamer.feed("Text" + tail).content == "Text"
         assert streamer.finish().content == tail
+        streamer = get_parser(name).streamer()
+        assert streamer.feed("Text" + tail).content == "Text"
+        assert streamer.finish(cut=True).content == ""
+        assert get_parser(name).extract("Text" + tail, cut=True) == ParsedReply("Text", [])
 
 
-def test_a_cut_off_call_keeps_what_was_streamed():
-    """A reply cut inside a call (``max_tokens``): the stream has sent the call's start and
-    keeps it; ``extract`` sees no complete call."""
-    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Par'
-    content, calls, result = stream(get_parser("hermes"), [text])
-    assert content == "" and calls[0]["arguments"] == '{"city": "Par'
-    assert result.tool_calls[0].arguments == '{"city": "Par' and result.content is None
-    assert get_parser("hermes").extract(text) == ParsedReply(text, [])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cut_off_call_is_dropped(name):
+    """A reply that ends inside a call (``max_tokens``, a stop string) or right after its
+    trigger: the unfinished call is neither a call nor content, streamed or not, and the
+    calls before it stay."""
+    whole = render_calls(name, [("f", '{"city": "Paris"}'), ("g", '{"city": "Rome"}')])
+    first = render_calls(name, [("f", '{"city": "Paris"}')])
+    second_closes = whole.rindex("}") + 1
+    for end in range(len(first) + 1, len(whole)):
+        reply = assert_streams_like_extract(get_parser(name), "Sure. " + whole[:end], end,
+                                            cut=True)
+        names = ["f", "g"] if end >= second_closes else ["f"]
+        assert reply.content == "Sure." and [c.name for c in reply.tool_calls] == names
+    for end in range(1, first.rindex("}")):
+        reply = assert_streams_like_extract(get_parser(name), "Sure. " + first[:end], end,
+                                            cut=True)
+        assert reply == ParsedReply("Sure.", []), first[:end]
 
 
-def test_a_call_broken_after_its_start():
-    """Only a model writing without the grammar breaks a call after its name and arguments
-    have begun: the stream keeps the call with what it sent, the rest is content."""
+def test_a_call_broken_after_its_start_is_content():
+    """Only a model writing without the grammar breaks a call's syntax: from its trigger on,
+    the text is content, streamed or not."""
     text = '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call> ok'
     content, calls, result = stream(get_parser("hermes"), list(text))
-    assert calls[0]["name"] == "f" and calls[0]["arguments"] == '{"a": tru'
-    assert content == "}}\n</tool_call> ok" == result.content
+    assert calls == [] and content == text == result.content
     assert get_parser("hermes").extract(text) == ParsedReply(text, [])
 
 
