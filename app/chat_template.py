@@ -69,13 +69,15 @@ class ChatTemplate:
         return cls(_environment().from_string(text), tokens, source, text)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None,
+               extra: dict[str, Any] | None = None) -> str:
         """The prompt for ``messages`` (each ``{"role", "content"}`` with string content, and
-        ``tool_calls`` or ``tool_call_id`` where the API gave them), offering ``tools``."""
+        ``tool_calls`` or ``tool_call_id`` where the API gave them), offering ``tools``;
+        ``extra`` are the request's ``chat_template_kwargs`` (``enable_thinking``, ...)."""
+        context = {**(extra or {}), "messages": messages, "tools": tools,
+                   "add_generation_prompt": add_generation_prompt, **self.special_tokens}
         try:
-            return self.template.render(messages=messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+            return self.template.render(**context)
         except ChatTemplateError:
             raise
         except Exception as exc:  # a broken template must fail one request, not the server

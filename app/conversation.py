@@ -34,10 +34,11 @@ def _tokenize(state: ServerState, text: str, add_special_tokens: bool) -> list[i
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     start = time.perf_counter()
     try:
-        return state.chat_template.render(messages, tools=tools)
+        return state.chat_template.render(messages, tools=tools, extra=template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None
@@ -56,7 +57,8 @@ def truncation_reserve(context_tokens: int) -> int:
 
 
 def fit_conversation(state: ServerState, messages: list[dict[str, str]],
-                      params: SamplingParams) -> tuple[str, list[int], int]:
+                      params: SamplingParams, template_kwargs: dict[str, Any] | None = None
+                      ) -> tuple[str, list[int], int]:
     """The conversation's prompt and token ids once its oldest turns are dropped until the
     prompt leaves room for the reply: ``max_tokens`` when given, else ``truncation_reserve`` (or
     ``min_tokens`` if more). Returns ``(prompt, token_ids, dropped)``, ``dropped`` counting
@@ -84,7 +86,7 @@ def fit_conversation(state: ServerState, messages: list[dict[str, str]],
         if d not in tried:
             start = others[d] if others else 0
             kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
-            prompt = render_chat(state, kept)
+            prompt = render_chat(state, kept, template_kwargs=template_kwargs)
             ids = None if len(prompt) > state.max_prompt_chars else _tokenize(
                 state, prompt, add_special_tokens=False)
             tried[d] = prompt, ids

@@ -134,9 +134,11 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         params = params.clone(skip_special_tokens=False)  # its trigger is a special token
     dropped = None
     if truncate:
-        prompt, token_ids, dropped = fit_conversation(state, messages, params)
+        prompt, token_ids, dropped = fit_conversation(state, messages, params,
+                                                      req.chat_template_kwargs)
     else:
-        prompt = render_chat(state, messages, tool_use.tools if tool_use else None)
+        prompt = render_chat(state, messages, tool_use.tools if tool_use else None,
+                             req.chat_template_kwargs)
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")

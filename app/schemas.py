@@ -99,6 +99,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    # extra variables for the chat template, e.g. {"enable_thinking": false}; the names the
+    # template is rendered with (messages, tools, ...) cannot be replaced
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                    "unk_token", "pad_token"} & set(value or {})
+        if reserved:
+            raise ValueError(f"{', '.join(sorted(reserved))} cannot be set here")
+        return value
 
 
 class CompletionRequest(SamplingFields):

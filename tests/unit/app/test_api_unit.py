@@ -448,3 +448,18 @@ def test_banner_urls() -> None:
     assert url("0.0.0.0") == "http://127.0.0.1:8000"  # a wildcard bind: reached on loopback
     assert url("::") == "http://[::1]:8000"
     assert url("example.internal") == "http://example.internal:8000"
+
+
+def test_chat_template_kwargs_reach_the_template(state: ServerState, tmp_path: Path) -> None:
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% if enable_thinking is defined and not enable_thinking %}[no think]"
+                        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    state.chat_template = ChatTemplate.for_tokenizer(state.tokenizer, str(template))
+    body = {"model": "tiny", "messages": CHAT}
+    assert prepare_chat_request(body, state).prompt == "Tell me a joke"
+    off = prepare_chat_request({**body, "chat_template_kwargs": {"enable_thinking": False}},
+                               state)
+    assert off.prompt == "[no think]Tell me a joke"
+    with pytest.raises(ApiError) as info:
+        prepare_chat_request({**body, "chat_template_kwargs": {"messages": []}}, state)
+    assert info.value.param == "chat_template_kwargs" and "messages" in str(info.value)
