@@ -28,11 +28,12 @@ import torch
 from bench.common import bench_model_dir, write_result
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.backend import prepare_for_cpu
 from tidal.gpu.cpu.host import describe
 from tidal.gpu.cpu.kernels import target_isa
 from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import prepare_for_cpu, read_model
+from tidal.gpu.model_loader import LoadOptions, read_model
 from tidal.gpu.quantization.linear import QuantLinear, candidate_methods, plan_quant_linears
 from tidal.gpu.quantization.weights import QuantizedWeight
 
@@ -67,8 +68,9 @@ def print_table(plans: dict[str, dict]) -> None:
 def quant_plans(model_dir: Path, cfg: ModelConfig, fmt: str, max_rows: int) -> dict:
     """Every quantized linear shape of the model in ``fmt``, timed with a fresh plan cache."""
     method, group = QUANT_FORMATS[fmt]
-    model = read_model(model_dir, cfg, get_attention_backend("cpu", "cpu"), 4096, torch.float32,
-                       "cpu", method, group)
+    model = read_model(model_dir, cfg, LoadOptions(get_attention_backend("cpu", "cpu"), 4096,
+                                                   torch.float32, "cpu", quantization=method,
+                                                   group_size=group))
     with tempfile.TemporaryDirectory() as tmp:
         plans = plan_quant_linears(model, max_rows, PlanCache(Path(tmp)))
     return {name: plan.to_json() for name, plan in plans.items()}
@@ -156,9 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     selector.set_mode("auto")
     if args.quant:
         return quant_main(args, model_dir, cfg)
-    model = read_model(model_dir, cfg, get_attention_backend("cpu", "cpu"), 4096, dtype, "cpu")
+    model = read_model(model_dir, cfg,
+                       LoadOptions(get_attention_backend("cpu", "cpu"), 4096, dtype, "cpu"))
     with tempfile.TemporaryDirectory() as tmp:
-        result = prepare_for_cpu(model, args.max_rows, args.max_seqs, PlanCache(Path(tmp)))
+        result = prepare_for_cpu(model, args.max_rows, args.max_seqs,
+                                 PlanCache(Path(tmp))).plans
     plans = {name: plan.to_json() for name, plan in result.plans.items()}
     print_table(plans)
     print(f"\ntimed in {result.seconds:.1f} s")

@@ -1,5 +1,5 @@
-"""Building blocks of Llama-family models: RMSNorm, rotary position embeddings and the gated
-MLP's activation.
+"""Building blocks of Llama-family models: RMSNorm, rotary position embeddings, the gated
+MLP's activation and the token embedding over this rank's vocabulary rows.
 
 Each has a torch form (``*_torch`` below: 6, 14 and 2 ops, whose fixed costs dominate a decode
 step and whose intermediates are each a trip through memory at prefill sizes) and a fused
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from tidal.gpu.cpu.kernels import cpu_kernels_for
 from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.distributed import TensorParallel, tensor_parallel
 
 # ``TIDAL_GPU_KERNELS=off`` keeps torch's forms on a GPU too (the baseline the fused kernels
 # are measured against).
@@ -102,19 +104,67 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class SiluAndMul(nn.Module):
+    """The gated MLP's activation, ``silu_and_mul``, with the plan of its CPU kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up, self.plan)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embedding over this rank's rows of the vocabulary (all of it on one device)."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        tp = tensor_parallel()
+        super().__init__(tp.shard_size(vocab_size), dim)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(super().forward, input_ids, self.num_embeddings, self.tp)
+
+
+def vocab_parallel_lookup(lookup: Callable[[torch.Tensor], torch.Tensor],
+                          input_ids: torch.Tensor, rows: int,
+                          tp: TensorParallel) -> torch.Tensor:
+    """``lookup(input_ids)`` over a table of each rank's ``rows`` vocabulary rows: under tensor
+    parallelism each rank looks up the ids in its rows, zeros the others, and the ranks' rows
+    are summed."""
+    if tp.size == 1:
+        return lookup(input_ids)
+    local = input_ids - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    x = lookup(local.masked_fill(outside, 0))
+    return tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE with a precomputed cos/sin table per position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None) -> None:
         super().__init__()
-        if torch.get_default_device().type == "meta":  # shapes only (model_loader.read_model)
-            cos = sin = torch.empty(max_positions, head_dim)
-        else:
-            cos, sin = _rotary_table(head_dim, max_positions, theta, scaling or {})
+        self.table_args = (head_dim, max_positions, theta, scaling or {})
+        cos, sin = self._table()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.plan: Plan | None = None  # which rows the CPU kernel takes (None: every row)
+
+    def reset_table(self, device: torch.device | str) -> None:
+        """Compute the float32 cos/sin table on ``device`` again: a model built on the meta
+        device holds none once allocated (the table is no weight), or one cast to its dtype."""
+        with torch.device(device):
+            self.cos, self.sin = self._table()
+
+    def _table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, max_positions = self.table_args[:2]
+        if torch.get_default_device().type == "meta":  # shapes only (model_loader.read_model)
+            empty = torch.empty(max_positions, head_dim)
+            return empty, empty
+        return _rotary_table(*self.table_args)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

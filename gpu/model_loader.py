@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from tidal.gpu.attention import AttentionBackend
 from tidal.gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
-from tidal.gpu.cpu import selector
-from tidal.gpu.cpu.decode_stack import build_decode_stack
-from tidal.gpu.cpu.op_plans import ModelPlans, log_plans, plan_decode_stack, plan_model, stack_rows
+from tidal.gpu.cpu.backend import CpuBackend, prepare_for_cpu
 from tidal.gpu.cpu.packed_linear import can_pack
 from tidal.gpu.cpu.selector import PlanCache
+from tidal.gpu.layers import RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.models.llama import LlamaForCausalLM
+from tidal.gpu.models import MODELS
 from tidal.gpu.quantization.apply import (
     QUANTIZED_LINEARS,
     install,
@@ -48,26 +49,46 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
-               max_positions: int, dtype: torch.dtype, device: str, max_rows: int = 256,
-               max_seqs: int = 64, plan_cache: PlanCache | None = None,
-               timed: bool = True, quantization: str | None = None,
-               group_size: int = 32) -> LlamaForCausalLM:
-    """The model, ready to run, its decoder layers' linears quantized where ``quantization``
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model: over which attention backend, for how many positions, in which
+    dtype and on which device; its decoder layers' linears quantized where ``quantization``
     says (``int8``, or ``int4`` in groups of ``group_size``). On the CPU its ops are planned
     for steps of up to ``max_rows`` tokens and ``max_seqs`` decode rows
     (``gpu/cpu/op_plans.py``), from ``plan_cache`` (by default this host's), by timing them
     unless not ``timed``."""
-    model = read_model(model_dir, cfg, backend, max_positions, dtype, device, quantization,
-                       group_size)
-    if can_pack(device, dtype):
-        prepare_for_cpu(model, max_rows, max_seqs, plan_cache, timed)
-    return model
+
+    backend: AttentionBackend
+    max_positions: int
+    dtype: torch.dtype
+    device: str
+    max_rows: int = 256
+    max_seqs: int = 64
+    plan_cache: PlanCache | None = None
+    timed: bool = True
+    quantization: str | None = None
+    group_size: int = 32
 
 
-def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend,
-               max_positions: int, dtype: torch.dtype, device: str,
-               quantization: str | None = None, group_size: int = 32) -> LlamaForCausalLM:
+class LoadedModel(NamedTuple):
+    """A model ready to run, and on the CPU (where its dtype is packed) its plans and one-call
+    decode step, which the runner offers each step to first (``gpu/cpu/backend.py``)."""
+
+    model: nn.Module
+    cpu: CpuBackend | None
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) -> LoadedModel:
+    """The model, ready to run, as ``options`` say."""
+    model = read_model(model_dir, cfg, options)
+    cpu = None
+    if can_pack(options.device, options.dtype):
+        cpu = prepare_for_cpu(model, options.max_rows, options.max_seqs, options.plan_cache,
+                              options.timed)
+    return LoadedModel(model, cpu)
+
+
+def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) -> nn.Module:
     """The model with its weights read, in plain torch layers (nothing packed or planned).
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
     float model never exists whole in memory; nor does it where the checkpoint's linears are
@@ -75,23 +96,32 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     rank's part as it is read (after quantization, so that the parts are the whole's).
     With ``quantization``, the output head becomes int8 with one scale per row, which a tied
     embedding shares (``gpu/quantization/head.py``)."""
+    quantization, dtype, device = options.quantization, options.dtype, options.device
     with torch.device("meta"), _uninitialized_layers():
-        model = LlamaForCausalLM(cfg, backend, max_positions)
+        model = MODELS[cfg.architecture](cfg, options.backend, options.max_positions)
     weights = checkpoint_weights(model_dir)
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
     if quantization is not None:
-        weights = quantize_on_read(weights, quantization, group_size)
+        weights = quantize_on_read(weights, quantization, options.group_size)
     if model.tp.size > 1:
         weights = shard_weights(weights, cfg, model.tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.reset_rotary(device)  # the rotary table is no weight: rebuild it, in float32
+    _reset_rotary_tables(model, device)
     _load_weights(model, model.local_config, weights, dtype, str(model_dir),
                   quantize_head_rows=quantization is not None)
     if quantization is not None:
-        log_quantized(model, quantization, group_size)
+        log_quantized(model, quantization, options.group_size)
     return model.eval()
+
+
+def _reset_rotary_tables(model: nn.Module, device: str) -> None:
+    """The rotary tables are no weights: computed again, in float32, once the model is on
+    ``device``."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_table(device)
 
 
 @contextmanager
@@ -114,23 +144,7 @@ def _no_initialization(_layer: nn.Module) -> None:
     pass
 
 
-def prepare_for_cpu(model: LlamaForCausalLM, max_rows: int, max_seqs: int,
-                    plan_cache: PlanCache | None = None, timed: bool = True) -> ModelPlans:
-    """Plan every op, pack the linears as planned, and build the one-call decode step."""
-    timed_here = timed and selector.mode() == "auto"
-    cache = plan_cache if plan_cache is not None else (PlanCache() if timed_here else None)
-    plans = plan_model(model, max_rows, max_seqs, cache, timed)
-    log_plans(plans)
-    model.cpu_plans = plans  # for the start-up banner (ModelRunner.kernel_summary)
-    model.decode_stack = build_decode_stack(model, max(max_rows, max_seqs))
-    model.stack_rows = stack_rows(model, max_seqs)
-    if model.decode_stack is not None and timed_here and cache is not None:
-        model.stack_rows = plan_decode_stack(model, max_seqs, cache)
-        cache.save()
-    return plans
-
-
-def _load_weights(model: LlamaForCausalLM, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
+def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
                   dtype: torch.dtype, source: str, quantize_head_rows: bool = False) -> None:
     params = dict(model.named_parameters())
     device = model.norm.weight.device  # checkpoints are read on the CPU; the model's device
@@ -180,7 +194,7 @@ def _takes_quantized(target: str) -> bool:
     return len(parts) > 2 and parts[-2] in QUANTIZED_LINEARS and parts[-1] == "weight"
 
 
-def _install_quantized(model: LlamaForCausalLM, target: str,
+def _install_quantized(model: nn.Module, target: str,
                        shards: dict[int, QuantizedWeight], dtype: torch.dtype) -> None:
     """Replace the linear ``target`` names (``layers.0.self_attn.qkv_proj.weight``) with a
     ``QuantLinear`` over its shards fused in order."""

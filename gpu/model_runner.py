@@ -23,7 +23,7 @@ from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import load_model, resolve_dtype
+from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
 from tidal.gpu.step_handle import StepHandle
@@ -54,7 +54,8 @@ class ModelRunner:
         self._upgrade = (KernelUpgrade(self._load_model)
                          if self.device == "cpu" and not config.offline and self.tp.size == 1
                          and needs_background_build() else None)
-        self.model = self._load_model(timed=self._upgrade is None)
+        # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
+        self.model, self.cpu = self._load_model(timed=self._upgrade is None)
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -174,17 +175,17 @@ class ModelRunner:
         if self._upgrade is not None:
             return (f"--cpu-kernels {mode}: torch's paths while tidal's C++ kernels build in the "
                     "background, then the kernels")
-        plans = getattr(self.model, "cpu_plans", None)
-        if plans is None:
+        if self.cpu is None:
             return f"--cpu-kernels {mode}: torch's own paths ({self.dtype} is not packed)"
+        plans = self.cpu.plans
         built = "C++ kernels loaded" if load_cpu_kernels() is not None else "no C++ kernels"
         how = (f"{plans.measured} plans timed now" if plans.measured
                else "plans from this host's cache" if plans.timed
                else {"force": "tidal's kernels wherever they apply, untimed",
                      "off": "torch's own paths, untimed"}.get(mode, "defaults, untimed"))
-        rows = self.model.stack_rows
+        rows = self.cpu.stack_rows
         stack = (f"; one-call decode step at {sum(rows[1:])} of 1-{len(rows) - 1} rows"
-                 if self.model.decode_stack is not None else "")
+                 if self.cpu.stack is not None else "")
         return f"--cpu-kernels {mode} ({built}, {how}): {plans.summary()}{stack}"
 
     @property
@@ -192,24 +193,23 @@ class ModelRunner:
         """The attention backend of the model that runs now."""
         return self.model.layers[0].self_attn.backend
 
-    def _load_model(self, timed: bool = True) -> torch.nn.Module:
+    def _load_model(self, timed: bool = True) -> LoadedModel:
         config = self.config
         backend = get_attention_backend(config.attention_backend, config.device)
-        model = load_model(config.model, self.model_config, backend, self.max_model_len,
-                           self.dtype, config.device, max_rows=config.max_num_batched_tokens,
-                           max_seqs=config.max_num_seqs, timed=timed,
-                           quantization=config.quantization,
-                           group_size=config.quantization_group_size)
+        loaded = load_model(config.model, self.model_config, LoadOptions(
+            backend, self.max_model_len, self.dtype, config.device,
+            max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs, timed=timed,
+            quantization=config.quantization, group_size=config.quantization_group_size))
         if config.device == "cpu":
             release_freed_host_memory()  # the load's temporaries, kept by the thresholds
-        return model
+        return loaded
 
     def _swap_in_kernels(self) -> None:
         """Between steps: the model planned on the CPU kernels, once built in the background."""
-        model, self._upgrade = self._upgrade.model(), None
-        if model is None:
+        loaded, self._upgrade = self._upgrade.model(), None
+        if loaded is None:
             return
-        self.model = model
+        self.model, self.cpu = loaded
         kernels = load_cpu_kernels()
         self._decode_inputs = kernels.decode_inputs if kernels is not None else None
         if kernels is not None:  # the step modes were entered before the kernels were there
@@ -218,6 +218,12 @@ class ModelRunner:
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states: from the CPU's one-call decode step where it takes
+        the step, else from the model's forward."""
+        if self.cpu is not None:
+            hidden = self.cpu.forward(input_ids, positions, self.kv_caches, meta)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     # -- one step -----------------------------------------------------------------------

@@ -12,13 +12,14 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-
-from torch import nn
+from typing import Generic, TypeVar
 
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import build_in_background, is_built
 
 logger = logging.getLogger(__name__)
+
+Model = TypeVar("Model")  # what the runner loads: its model and what goes with it
 
 
 def needs_background_build() -> bool:
@@ -26,10 +27,10 @@ def needs_background_build() -> bool:
     return selector.mode() != "off" and not is_built()
 
 
-class KernelUpgrade:
+class KernelUpgrade(Generic[Model]):
     """The model ``make_model`` builds once the kernels are: ``ready()`` says when to swap."""
 
-    def __init__(self, make_model: Callable[[], nn.Module]) -> None:
+    def __init__(self, make_model: Callable[[], Model]) -> None:
         self.make_model = make_model
         self.future: Future = Future()
         logger.info("serving on torch's paths while the C++ CPU kernels build in the "
@@ -51,6 +52,6 @@ class KernelUpgrade:
     def ready(self) -> bool:
         return self.future.done()
 
-    def model(self) -> nn.Module | None:
+    def model(self) -> Model | None:
         """The model on the kernels, or ``None`` where they could not be built."""
         return self.future.result()

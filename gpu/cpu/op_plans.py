@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,9 +25,12 @@ from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import pack_linear_layers
 from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
-from tidal.gpu.layers import RMSNorm, silu_and_mul
+from tidal.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, silu_and_mul
 from tidal.gpu.quantization.head import plan_head
 from tidal.gpu.quantization.linear import plan_quant_linears
+
+if TYPE_CHECKING:
+    from tidal.gpu.cpu.backend import CpuBackend
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +114,10 @@ def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.plan = plans["rms_norm"]
-    for layer in model.layers:
-        layer.mlp.act_plan = plans["silu_and_mul"]
-        layer.self_attn.rotary.plan = plans["rotary"]
+        elif isinstance(module, SiluAndMul):
+            module.plan = plans["silu_and_mul"]
+        elif isinstance(module, RotaryEmbedding):
+            module.plan = plans["rotary"]
     return plans
 
 
@@ -121,16 +126,17 @@ def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
     kernels, as the one-call decode step runs nothing else (its linears follow their plans).
     The rule where the step is not timed as a whole (``plan_decode_stack``)."""
     attn = model.layers[0].self_attn
-    plans = [model.norm.plan, model.layers[0].mlp.act_plan, attn.rotary.plan,
+    plans = [model.norm.plan, model.layers[0].mlp.act_fn.plan, attn.rotary.plan,
              getattr(attn.backend, "decode_plan", None)]
     return [all(p is None or p.pick(r) == KERNELS for p in plans) for r in range(max_seqs + 1)]
 
 
-def plan_decode_stack(model: nn.Module, max_seqs: int, cache: PlanCache) -> list[bool]:
-    """For 0, 1, ... ``max_seqs`` rows: whether the one-call decode step beats the step through
-    the layers (each op on its own plan), timed as a whole: timing the ops one by one misses
-    what the one call saves between them, so an op whose torch form wins alone could keep the
-    faster step off."""
+def plan_decode_stack(model: nn.Module, cpu: CpuBackend, max_seqs: int,
+                      cache: PlanCache) -> list[bool]:
+    """For 0, 1, ... ``max_seqs`` rows: whether ``cpu``'s one-call decode step beats the step
+    through the model's layers (each op on its own plan), timed as a whole: timing the ops one
+    by one misses what the one call saves between them, so an op whose torch form wins alone
+    could keep the faster step off."""
     linears = ",".join(sorted({type(m).__name__ for m in model.layers[0].modules()
                                if hasattr(m, "kernel")}))
     cfg, dtype = model.local_config, model.norm.weight.dtype
@@ -138,11 +144,12 @@ def plan_decode_stack(model: nn.Module, max_seqs: int, cache: PlanCache) -> list
            f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}|{linears}|"
            f"{str(dtype).removeprefix('torch.')}|ctx{min(DECODE_CONTEXT, model.max_positions)}")
     with denormals_flushed():
-        plan = cache.get_or_choose(key, selector.row_buckets(max_seqs), _stack_candidates(model))
+        plan = cache.get_or_choose(key, selector.row_buckets(max_seqs),
+                                   _stack_candidates(model, cpu))
     return [plan.pick(r) == STACK for r in range(max_seqs + 1)]
 
 
-def _stack_candidates(model: nn.Module) -> Candidates:
+def _stack_candidates(model: nn.Module, cpu: CpuBackend) -> Candidates:
     cfg, dtype = model.local_config, model.norm.weight.dtype
 
     context = min(DECODE_CONTEXT, model.max_positions)  # the rotary table's length
@@ -150,13 +157,15 @@ def _stack_candidates(model: nn.Module) -> Candidates:
     def candidates(rows: int) -> dict[str, Callable[[], object]]:
         meta = paged_layout([context - 1] * rows, [1] * rows, BLOCK_SIZE, seed=rows)
         caches = [random_caches(meta, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)]
+        caches = caches * cfg.num_layers  # one layer's, read by every layer
         ids = torch.randint(0, model.embed_tokens.num_embeddings, (rows,))
         positions = torch.full((rows,), context - 1, dtype=torch.long)
+        stack = replace(cpu, stack_rows=[True] * (rows + 1))  # takes every decode step
 
         def step(on_stack: bool) -> torch.Tensor:
-            model.stack_rows = [on_stack] * (rows + 1)
             with torch.inference_mode():
-                return model(ids, positions, caches * cfg.num_layers, meta)
+                hidden = stack.forward(ids, positions, caches, meta) if on_stack else None
+                return hidden if hidden is not None else model(ids, positions, caches, meta)
 
         return {STACK: lambda: step(True), LAYERS: lambda: step(False)}
 

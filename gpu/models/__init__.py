@@ -1,0 +1,16 @@
+"""Our model classes by the architecture name a ``config.json`` gives
+(``ModelConfig.architecture``; ``SUPPORTED_ARCHITECTURES`` in ``gpu/model_config.py`` holds the
+same names with the config facts that tell them apart)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tidal.gpu.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}

@@ -4,23 +4,19 @@ All requests' tokens of a step form one ``[num_tokens]`` batch without padding; 
 and writes the paged KV cache through the attention backend. q/k/v and gate/up projections are
 fused into single matmuls at load time. Under tensor parallelism each rank builds the model
 from its ``local_config`` (``gpu/weight_shards.py``) and all-reduces the partial sums of the
-output and down projections and of the embedding.
+output and down projections (the embedding does its own). Which kernels run each layer is the
+layers' concern (``gpu/layers.py``) and the runner's (``gpu/model_runner.py``), not this file's.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
 
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata
-from tidal.gpu.cpu.decode_stack import runs_on_stack
-from tidal.gpu.cpu.selector import Plan
 from tidal.gpu.distributed import TensorParallel, tensor_parallel
-from tidal.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tidal.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, VocabParallelEmbedding
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.quantization.head import QuantEmbedding
 from tidal.gpu.weight_shards import local_config
 
 # One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
@@ -66,12 +62,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act_plan: Plan | None = None  # which rows the CPU activation kernel takes
+        self.act_fn = SiluAndMul()
         self.tp = tensor_parallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(
-            self.down_proj(silu_and_mul(self.gate_up_proj(x), self.act_plan)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -106,15 +101,12 @@ class LlamaForCausalLM(nn.Module):
         self.local_config = local = local_config(cfg, self.tp)  # this rank's heads and MLP
         self.max_positions = max_positions
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        vocab = self.tp.shard_size(cfg.vocab_size)  # this rank's vocabulary rows
-        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(local, rotary, backend)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tie_weights()
-        self.decode_stack: Any = None  # gpu.cpu.decode_stack's one-call decode step, once built
-        self.stack_rows: list[bool] = []  # whether a decode step of so many rows takes it
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again
@@ -122,49 +114,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def reset_rotary(self, device: torch.device | str) -> None:
-        """Rebuild the float32 cos/sin table (after loading on the meta device)."""
-        cfg = self.config
-        with torch.device(device):
-            rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta,
-                                     cfg.rope_scaling)
-        for layer in self.layers:
-            layer.self_attn.rotary = rotary
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
-        ids = None
-        if self.decode_stack is not None and runs_on_stack(input_ids, meta, self.stack_rows):
-            ids = self._stack_ids(input_ids)
-        if ids is not None:
-            requests, rows = meta.decode_rows_cpu
-            caches = [cache for pair in kv_caches for cache in pair]
-            return self.decode_stack.forward(ids, positions, caches, meta.slot_mapping,
-                                             meta.block_table, meta.seq_lens, requests, rows)
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, delta, kv_cache, meta)
         return self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
-
-    def _stack_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The ids the one-call decode step looks up in its table: an int8 embedding's rows
-        are dequantized into its staged table first (``None`` where they do not fit)."""
-        if isinstance(self.embed_tokens, QuantEmbedding):
-            return self.embed_tokens.stage(input_ids)
-        return input_ids
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The input embeddings; under tensor parallelism each rank looks up the ids in its
-        vocabulary rows, zeros the others, and the ranks' rows are summed."""
-        if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        rows = self.embed_tokens.num_embeddings
-        local = input_ids - self.tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        x = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -30,6 +30,8 @@ from torch import nn
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
 from tidal.gpu.cpu.selector import TORCH, Plan, PlanCache
+from tidal.gpu.distributed import tensor_parallel
+from tidal.gpu.layers import vocab_parallel_lookup
 from tidal.gpu.quantization.linear import (
     ATEN,
     QuantLinear,
@@ -62,17 +64,23 @@ def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
 
 class QuantEmbedding(nn.Module):
     """Token embedding over an int8 weight with one scale per row: the rows looked up are
-    dequantized to ``dtype`` (bitwise ``weight.dequantize(dtype)[ids]``)."""
+    dequantized to ``dtype`` (bitwise ``weight.dequantize(dtype)[ids]``). Under tensor
+    parallelism the weight is this rank's vocabulary rows, looked up as
+    ``VocabParallelEmbedding`` looks up its own."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight_format = weight
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
+        self.tp = tensor_parallel()
         self.table: torch.Tensor | None = None  # the one-call decode step's (stage_table)
         self.table_ids: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(self._rows, input_ids, self.num_embeddings, self.tp)
+
+    def _rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_format
         rows = w.q.index_select(0, input_ids).float() * w.scales.index_select(0, input_ids)
         return rows.to(self.dtype)
@@ -91,7 +99,7 @@ class QuantEmbedding(nn.Module):
         n = input_ids.shape[0]
         if self.table is None or n > self.table.shape[0]:
             return None
-        self.table[:n] = self(input_ids)
+        self.table[:n] = self._rows(input_ids)
         return self.table_ids[:n]
 
     def extra_repr(self) -> str:

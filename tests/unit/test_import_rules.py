@@ -71,3 +71,21 @@ def test_the_parts_are_imported_through_tidal(folder: str) -> None:
         if names:
             bare[path.relative_to(ROOT).as_posix()] = names
     assert bare == {}
+
+
+def test_model_files_hold_only_the_architecture() -> None:
+    """A file under ``gpu/models/`` composes the shared layers: which backend runs each one (the
+    CPU's plans and one-call decode step, quantized layers) is decided in the layers and the
+    runner, never here."""
+    backend = ("tidal.gpu.cpu", "tidal.gpu.quantization")
+    found = {}
+    for path in sorted((ROOT / "gpu" / "models").rglob("*.py")):
+        bad = sorted(n for n in imported_modules(path)
+                     if any(n == b or n.startswith(b + ".") for b in backend))
+        if bad:
+            found[path.relative_to(ROOT).as_posix()] = bad
+    assert found == {}
+
+
+def test_the_dense_model_file_stays_small() -> None:
+    assert len((ROOT / "gpu" / "models" / "llama.py").read_text().splitlines()) <= 150

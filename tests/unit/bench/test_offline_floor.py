@@ -27,8 +27,9 @@ def _linear_macs_of_a_run(model_dir) -> int:
     """Multiply-adds that the engine's linear layers did while generating for ``PROMPTS``,
     counted from the rows each one was given (the Python path, whose layers are modules)."""
     llm = LLM(str(model_dir), max_num_seqs=2)
-    model = llm.engine.executor.runner.model
-    model.decode_stack = None
+    runner = llm.engine.executor.runner
+    model = runner.model
+    runner.cpu.stack = None  # the Python path, whose layers are modules
     macs = 0
 
     def count(module: nn.Module, args: tuple, _out: torch.Tensor) -> None:

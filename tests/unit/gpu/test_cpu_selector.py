@@ -127,14 +127,14 @@ def test_mode_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _model(tmp_path: Path):
     from tidal.gpu.model_config import ModelConfig
-    from tidal.gpu.model_loader import load_model
+    from tidal.gpu.model_loader import LoadOptions, load_model
     from tidal.gpu.random_model import build_model_dir
 
     path = build_model_dir(tmp_path / "m", hidden_size=128)  # head_dim 32, the kernels' size
     cfg = ModelConfig.from_dir(path)
-    return path, cfg, lambda cache=None: load_model(
-        path, cfg, get_attention_backend("cpu", "cpu"), 256, torch.float32, "cpu", max_rows=64,
-        max_seqs=8, plan_cache=cache)
+    return path, cfg, lambda cache=None: load_model(path, cfg, LoadOptions(
+        get_attention_backend("cpu", "cpu"), 256, torch.float32, "cpu", max_rows=64, max_seqs=8,
+        plan_cache=cache))
 
 
 @needs_kernels
@@ -151,18 +151,18 @@ def test_plans_reach_the_model_and_its_outputs_stay_the_same(
         return 1.0 if name in (TORCH, op_plans.LAYERS) else 5.0
 
     _, cfg, load = _model(tmp_path)
-    model = load(PlanCache(tmp_path / "cache", timer=timer))
+    model, cpu = load(PlanCache(tmp_path / "cache", timer=timer))
     norm, attn = model.norm, model.layers[0].self_attn
     assert norm.plan.used() == {winner} and attn.rotary.plan.used() == {winner}
     assert attn.backend.decode_plan.used() == {winner}
-    assert model.layers[0].mlp.act_plan.used() == {winner}
+    assert model.layers[0].mlp.act_fn.plan.used() == {winner}
     assert attn.qkv_proj.plan.used() == {"panels" if winner == KERNELS else TORCH}
-    assert all(model.stack_rows) == (winner == KERNELS) and any(model.stack_rows) == all(
-        model.stack_rows)
+    assert all(cpu.stack_rows) == (winner == KERNELS) and any(cpu.stack_rows) == all(
+        cpu.stack_rows)
     assert list((tmp_path / "cache").glob("cpu_plans-*.json"))
 
     monkeypatch.setenv(selector.MODE_ENV, "off")
-    reference = load()
+    reference = load().model
     ids = torch.tensor([3, 7, 11, 2])
     from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 
@@ -180,7 +180,7 @@ def test_plans_reach_the_model_and_its_outputs_stay_the_same(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_op_candidate_agrees_with_torch(tmp_path: Path, dtype: torch.dtype) -> None:
     _, cfg, load = _model(tmp_path)
-    model = load()
+    model = load().model
     attn = model.layers[0].self_attn
     families = [op_plans._norm_candidates(cfg.hidden_size, dtype),
                 op_plans._act_candidates(cfg.intermediate_size, dtype),
@@ -217,12 +217,12 @@ def test_the_one_call_decode_step_is_timed_as_a_whole(
     buckets = tuple(selector.row_buckets(64))  # the loader's max_rows
     cache.plans[f"silu_and_mul|{cfg.intermediate_size}|float32"] = Plan(
         buckets, (TORCH,) * len(buckets))  # as if timed so on this host
-    model = load(cache)
-    assert model.layers[0].mlp.act_plan.used() == {TORCH}
-    assert model.decode_stack is not None
-    assert all(model.stack_rows[1:]) == (step_winner == op_plans.STACK)
-    assert any(model.stack_rows[1:]) == all(model.stack_rows[1:])
+    model, cpu = load(cache)
+    assert model.layers[0].mlp.act_fn.plan.used() == {TORCH}
+    assert cpu.stack is not None
+    assert all(cpu.stack_rows[1:]) == (step_winner == op_plans.STACK)
+    assert any(cpu.stack_rows[1:]) == all(cpu.stack_rows[1:])
     rows = 3
-    fns = op_plans._stack_candidates(model)(rows)
+    fns = op_plans._stack_candidates(model, cpu)(rows)
     torch.testing.assert_close(fns[op_plans.STACK](), fns[op_plans.LAYERS](), rtol=1e-4,
                                atol=1e-4)

@@ -3,6 +3,8 @@ Python model's hidden states on ragged paged batches, and left out of every othe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,8 +13,7 @@ from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 from tidal.gpu.cpu.decode_stack import runs_on_stack
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import load_model
-from tidal.gpu.models.llama import LlamaForCausalLM
+from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model
 from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
@@ -21,9 +22,9 @@ BLOCK = 16
 CONTEXTS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 97, 200]
 
 
-def _load(path, dtype=torch.float32, backend: str = "cpu") -> LlamaForCausalLM:
-    return load_model(path, ModelConfig.from_dir(path), get_attention_backend(backend, "cpu"),
-                      512, dtype, "cpu")
+def _load(path, dtype=torch.float32, backend: str = "cpu") -> LoadedModel:
+    return load_model(path, ModelConfig.from_dir(path),
+                      LoadOptions(get_attention_backend(backend, "cpu"), 512, dtype, "cpu"))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a biased qkv projection
@@ -32,9 +33,9 @@ def model_dir(request, tmp_path_factory):
                            hidden_size=128)  # head_dim 32, which the decode kernel takes
 
 
-def _step(model: LlamaForCausalLM, query_lens: list[int], seed: int,
+def _step(loaded: LoadedModel, query_lens: list[int], seed: int,
           dtype: torch.dtype = torch.float32):
-    cfg = model.config
+    cfg = loaded.model.config
     meta = paged_layout(CONTEXTS, query_lens, BLOCK, seed=seed)
     torch.manual_seed(seed)
     caches = [random_caches(meta, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -44,10 +45,19 @@ def _step(model: LlamaForCausalLM, query_lens: list[int], seed: int,
     return ids, positions, caches, meta
 
 
-def _forward(model: LlamaForCausalLM, stack, ids, positions, caches, meta) -> torch.Tensor:
-    model.decode_stack = stack
+def _run(loaded: LoadedModel, stack, ids, positions, caches, meta) -> torch.Tensor:
+    """A step as the runner runs it: on ``stack`` (None: no stack) where it takes the step,
+    else through the model's layers."""
+    cpu = replace(loaded.cpu, stack=stack)
     with torch.inference_mode():
-        return model(ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
+        hidden = cpu.forward(ids, positions, caches, meta)
+        return hidden if hidden is not None else loaded.model(ids, positions, caches, meta)
+
+
+def _forward(loaded: LoadedModel, stack, ids, positions, caches, meta) -> torch.Tensor:
+    """``_run`` on copies of ``caches``."""
+    copies = [tuple(c.clone() for c in kv) for kv in caches]
+    return _run(loaded, stack, ids, positions, copies, meta)
 
 
 class Counted:
@@ -68,27 +78,25 @@ STACK_DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", STACK_DTYPES)
 def test_decode_step_is_bitwise_the_python_model(model_dir, dtype):
-    model = _load(model_dir, dtype)
-    assert model.decode_stack is not None
-    stack = Counted(model.decode_stack)
+    loaded = _load(model_dir, dtype)
+    assert loaded.cpu.stack is not None
+    stack = Counted(loaded.cpu.stack)
     for seed in range(3):
-        ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed, dtype)
-        python = _forward(model, None, ids, positions, caches, meta)
-        ours = _forward(model, stack, ids, positions, caches, meta)
+        ids, positions, caches, meta = _step(loaded, [1] * len(CONTEXTS), seed, dtype)
+        python = _forward(loaded, None, ids, positions, caches, meta)
+        ours = _forward(loaded, stack, ids, positions, caches, meta)
         assert stack.calls == seed + 1
         assert torch.equal(ours, python)
 
 
 @pytest.mark.parametrize("dtype", STACK_DTYPES)
 def test_the_stack_writes_the_step_keys_and_values(model_dir, dtype):
-    model = _load(model_dir, dtype)
-    ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed=4, dtype=dtype)
+    loaded = _load(model_dir, dtype)
+    ids, positions, caches, meta = _step(loaded, [1] * len(CONTEXTS), seed=4, dtype=dtype)
     written = {}
-    for name, stack in (("python", None), ("stack", model.decode_stack)):
-        model.decode_stack = stack
+    for name, stack in (("python", None), ("stack", loaded.cpu.stack)):
         copies = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.inference_mode():
-            model(ids, positions, copies, meta)
+        _run(loaded, stack, ids, positions, copies, meta)
         written[name] = copies
     for (k1, v1), (k2, v2), (k0, _) in zip(written["python"], written["stack"], caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -96,21 +104,21 @@ def test_the_stack_writes_the_step_keys_and_values(model_dir, dtype):
 
 
 def test_prefill_and_padded_steps_take_the_python_path(model_dir):
-    model = _load(model_dir)
-    ids, positions, caches, meta = _step(model, [1, 3] + [1] * (len(CONTEXTS) - 2), seed=5)
-    assert not runs_on_stack(ids, meta, model.stack_rows)
+    loaded = _load(model_dir)
+    ids, positions, caches, meta = _step(loaded, [1, 3] + [1] * (len(CONTEXTS) - 2), seed=5)
+    assert not runs_on_stack(ids, meta, loaded.cpu.stack_rows)
 
     class Refuses:
         def forward(self, *args):
             raise AssertionError("a prefill chunk reached the decode stack")
 
-    _forward(model, Refuses(), ids, positions, caches, meta)
+    _forward(loaded, Refuses(), ids, positions, caches, meta)
     decode_meta = paged_layout(CONTEXTS, [1] * len(CONTEXTS), BLOCK, seed=6, pad_rows=2)
     padded_ids = torch.zeros(decode_meta.num_actual_tokens + 2, dtype=torch.long)
-    assert not runs_on_stack(padded_ids, decode_meta, model.stack_rows)
+    assert not runs_on_stack(padded_ids, decode_meta, loaded.cpu.stack_rows)
     decode_meta = paged_layout(CONTEXTS, [1] * len(CONTEXTS), BLOCK, seed=6)
     decode_ids = torch.zeros(decode_meta.num_actual_tokens, dtype=torch.long)
-    assert runs_on_stack(decode_ids, decode_meta, model.stack_rows)
+    assert runs_on_stack(decode_ids, decode_meta, loaded.cpu.stack_rows)
     rows = len(CONTEXTS)
     # a row count whose ops the plans give to torch keeps the Python path
     assert not runs_on_stack(decode_ids, decode_meta, [True] * rows + [False])
@@ -118,9 +126,9 @@ def test_prefill_and_padded_steps_take_the_python_path(model_dir):
 
 
 def test_not_built_where_it_does_not_apply(model_dir, tmp_path):
-    assert _load(model_dir, dtype=torch.float16).decode_stack is None  # linears not packed
-    assert _load(model_dir, backend="torch").decode_stack is None
+    assert _load(model_dir, dtype=torch.float16).cpu is None  # linears not packed
+    assert _load(model_dir, backend="torch").cpu.stack is None
     narrow_heads = build_model_dir(tmp_path / "hd16", "llama")  # head_dim 16: no kernel
-    assert _load(narrow_heads).decode_stack is None
+    assert _load(narrow_heads).cpu.stack is None
     qk_norm = build_model_dir(tmp_path / "qwen3", "qwen3", hidden_size=128)
-    assert _load(qk_norm).decode_stack is None
+    assert _load(qk_norm).cpu.stack is None

@@ -18,7 +18,7 @@ from torch import nn
 
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import read_model
+from tidal.gpu.model_loader import LoadOptions, read_model
 from tidal.gpu.quantization.head import QuantEmbedding, QuantHead
 from tidal.gpu.quantization.linear import QuantLinear
 from tidal.gpu.random_model import build_model_dir
@@ -53,8 +53,8 @@ def stray_tensors(obj: object, device: str, path: str = "model",
 
 def _load_on_meta(path: Path, quantization: str | None = None) -> nn.Module:
     backend = get_attention_backend("torch", "cpu")
-    model = read_model(path, ModelConfig.load(path), backend, 256, torch.float32, "meta",
-                       quantization)
+    model = read_model(path, ModelConfig.load(path),
+                       LoadOptions(backend, 256, torch.float32, "meta", quantization=quantization))
     for layer in model.modules():  # pack as a first forward would
         if isinstance(layer, (QuantLinear, QuantHead)) and layer.packs is None:
             layer.replan(layer.plan)

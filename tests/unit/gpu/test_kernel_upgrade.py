@@ -50,7 +50,7 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     assert kernels.load_cpu_kernels() is None  # torch's paths meanwhile
     first_model = runner.model
     assert isinstance(first_model.layers[0].self_attn.backend, TorchAttentionBackend)
-    assert first_model.decode_stack is None
+    assert runner.cpu.stack is None
 
     swapped_at = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -188,13 +189,13 @@ def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
     """The C++ decode step (decoder.cpp) writes and reads the int8 cache as the Python model
     does: the same hidden states and the same cache bytes, to the bit."""
     from tidal.gpu.model_config import ModelConfig
-    from tidal.gpu.model_loader import load_model
+    from tidal.gpu.model_loader import LoadOptions, load_model
     from tidal.gpu.random_model import build_model_dir
 
     path = build_model_dir(tmp_path, "llama", hidden_size=128)
-    model = load_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"),
-                       512, torch.float32, "cpu")
-    assert model.decode_stack is not None
+    model, cpu = load_model(path, ModelConfig.from_dir(path), LoadOptions(
+        get_attention_backend("cpu", "cpu"), 512, torch.float32, "cpu"))
+    assert cpu.stack is not None
     cfg, context = model.config, [0, 1, 15, 16, 17, 83, 200]
     meta = paged_layout(context, [1] * len(context), 16, seed=3)
     caches = []
@@ -204,11 +205,12 @@ def test_one_call_decode_step_takes_an_int8_cache_bitwise(tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (len(context),))
     positions = torch.tensor(context)
     outs, written = [], []
-    for stack in (None, model.decode_stack):
-        model.decode_stack = stack
+    for stack in (None, cpu.stack):
+        step = replace(cpu, stack=stack)
         copies = [tuple(t.clone() for t in layer) for layer in caches]
         with torch.inference_mode():
-            outs.append(model(ids, positions, copies, meta))
+            hidden = step.forward(ids, positions, copies, meta)
+            outs.append(model(ids, positions, copies, meta) if hidden is None else hidden)
         written.append(copies)
     assert torch.equal(outs[0], outs[1])
     for python_layer, stack_layer in zip(*written):

@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 from tests.paths import ROOT
 from tidal.core import LLM, SamplingParams
 from tidal.gpu.cpu.packed_linear import PackedLinear
-from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tidal.gpu.model_loader import _uninitialized_layers, resolve_dtype
+from tidal.gpu.models import MODELS
 from tidal.gpu.random_model import build_model_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 42]]
@@ -53,6 +54,10 @@ def test_unsupported_architecture_lists_the_supported_ones(model_dir, tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*"
                                          "LlamaForCausalLM.*Qwen3ForCausalLM"):
         ModelConfig.from_dir(other)
+
+
+def test_every_supported_architecture_has_a_model_class():
+    assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_attention_cost_context_weighs_attention_against_the_linears(model_dir):

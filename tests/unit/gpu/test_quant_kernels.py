@@ -15,7 +15,7 @@ from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import load_model
+from tidal.gpu.model_loader import LoadOptions, load_model
 from tidal.gpu.quantization.linear import ATEN, QuantLinear, candidate_methods, pack_for_kernel
 from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8
 from tidal.gpu.random_model import build_model_dir
@@ -141,14 +141,14 @@ def model_dir(tmp_path_factory):
 def test_a_quantized_models_decode_step_is_the_python_models(model_dir, quantization):
     from tests.unit.gpu.test_decode_stack import CONTEXTS, _forward, _step
 
-    model = load_model(model_dir, ModelConfig.from_dir(model_dir),
-                       get_attention_backend("cpu", "cpu"), 512, torch.float32, "cpu",
-                       quantization=quantization)
-    assert model.decode_stack is not None
+    loaded = load_model(model_dir, ModelConfig.from_dir(model_dir), LoadOptions(
+        get_attention_backend("cpu", "cpu"), 512, torch.float32, "cpu",
+        quantization=quantization))
+    assert loaded.cpu.stack is not None
     for seed in range(2):
-        ids, positions, caches, meta = _step(model, [1] * len(CONTEXTS), seed)
-        python = _forward(model, None, ids, positions, caches, meta)
-        stack = _forward(model, model.decode_stack, ids, positions, caches, meta)
+        ids, positions, caches, meta = _step(loaded, [1] * len(CONTEXTS), seed)
+        python = _forward(loaded, None, ids, positions, caches, meta)
+        stack = _forward(loaded, loaded.cpu.stack, ids, positions, caches, meta)
         assert torch.equal(stack, python)
 
 
@@ -156,8 +156,8 @@ def _generate(model_dir, cpu_kernels: str) -> list:
     try:
         llm = LLM(str(model_dir), dtype="float32", quantization="int4", cpu_kernels=cpu_kernels,
                   max_model_len=256)
-        model = llm.engine.executor.runner.model
-        assert (model.decode_stack is not None) == (cpu_kernels != "off")
+        cpu = llm.engine.executor.runner.cpu
+        assert (cpu.stack is not None) == (cpu_kernels != "off")
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
         outs = llm.generate(["hello there", "a b c d e f", "the kernels"], params,
                             use_tqdm=False)

@@ -115,7 +115,7 @@ def test_engine_on_the_dot_kernel_follows_hf_on_rounded_activations(fmt, tmp_pat
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.plan.used() == {DOT} for m in layers)
     assert model.lm_head.plan.used() == {DOT}  # the int8 head, on the dot kernel too
-    assert model.decode_stack is not None
+    assert llm.engine.executor.runner.cpu.stack is not None
     hf = hf_twin(path, fmt, rounded=True)
     prompts = reference_prompts(0)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,

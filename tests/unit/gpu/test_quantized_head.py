@@ -4,6 +4,8 @@ weight, bitwise the same through the one-call decode step as through the Python 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.selector import TORCH, PlanCache
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import load_model, read_model
+from tidal.gpu.model_loader import LoadOptions, load_model, read_model
 from tidal.gpu.quantization.head import (
     PLAIN_ROW_METHODS,
     QuantEmbedding,
@@ -33,8 +35,8 @@ def tied_dir(tmp_path_factory):
 
 
 def _read(path, dtype=torch.bfloat16, quantization="int4"):
-    return read_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"), 512,
-                      dtype, "cpu", quantization)
+    return read_model(path, ModelConfig.from_dir(path), LoadOptions(
+        get_attention_backend("cpu", "cpu"), 512, dtype, "cpu", quantization=quantization))
 
 
 def _byte_storages(model: torch.nn.Module) -> dict[int, int]:
@@ -148,9 +150,9 @@ def test_a_small_model_times_every_method_for_its_head(tied_dir, tmp_path, monke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_through_the_staged_table_is_bitwise_the_python_model(tied_dir, dtype):
     path = tied_dir
-    model = load_model(path, ModelConfig.from_dir(path), get_attention_backend("cpu", "cpu"),
-                       512, dtype, "cpu", quantization="int4")
-    stack = model.decode_stack
+    model, cpu = load_model(path, ModelConfig.from_dir(path), LoadOptions(
+        get_attention_backend("cpu", "cpu"), 512, dtype, "cpu", quantization="int4"))
+    stack = cpu.stack
     assert stack is not None and isinstance(model.embed_tokens, QuantEmbedding)
     cfg = model.config
     contexts = [0, 15, 16, 97]
@@ -159,13 +161,14 @@ def test_decode_step_through_the_staged_table_is_bitwise_the_python_model(tied_d
               for _ in range(cfg.num_layers)]
     ids = torch.randint(0, cfg.vocab_size, (len(contexts),))
     positions = torch.tensor(contexts)
-    model.stack_rows = [True] * 8
     calls = []
     out = {}
     for name, on in (("python", None), ("stack", Counted(stack, calls))):
-        model.decode_stack = on
+        step = replace(cpu, stack=on, stack_rows=[True] * 8)
+        copies = [(k.clone(), v.clone()) for k, v in caches]
         with torch.inference_mode():
-            out[name] = model(ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
+            hidden = step.forward(ids, positions, copies, meta)
+            out[name] = model(ids, positions, copies, meta) if hidden is None else hidden
     assert len(calls) == 1
     assert torch.equal(out["stack"], out["python"])
 
