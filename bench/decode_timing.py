@@ -97,7 +97,7 @@ def time_decode_forward(runner: ModelRunner, batch: int, context: int, iters: in
         if graphs is not None and graphs.can_run(meta):
             hidden = graphs.run(ids, positions, meta)
         else:
-            hidden = runner._run_model(ids, positions, meta)  # the CPU's one-call step first
+            hidden = runner.run_model(ids, positions, meta)  # the CPU's one-call step first
         runner.model.compute_logits(hidden).float().argmax(-1)
 
     for _ in range(warmup):

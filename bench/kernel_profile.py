@@ -113,7 +113,7 @@ def eager_step(runner: ModelRunner, batch: int, context: int) -> Callable[[], No
     ids, positions, meta = decode_inputs(runner, batch, context)
 
     def step() -> None:
-        hidden = runner._run_model(ids, positions, meta)  # the CPU's one-call step first
+        hidden = runner.run_model(ids, positions, meta)  # the CPU's one-call step first
         runner.model.compute_logits(hidden).float().argmax(-1)
 
     return step

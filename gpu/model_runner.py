@@ -161,7 +161,7 @@ class ModelRunner:
         if self.backend.name != "triton":
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")
             return
-        self.cuda_graphs = CudaGraphRunner(self._run_model, self.config.max_num_seqs,
+        self.cuda_graphs = CudaGraphRunner(self.run_model, self.config.max_num_seqs,
                                            self.max_blocks_per_req, self.max_model_len,
                                            self.device)
         self.cuda_graphs.capture()
@@ -216,8 +216,8 @@ class ModelRunner:
             kernels.flush_denormals_in_pool()
         logger.info("the C++ CPU kernels are built: serving on them from this step")
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
         """The step's final hidden states: from the CPU's one-call decode step where it takes
         the step, else from the model's forward."""
         if self.cpu is not None:
@@ -275,7 +275,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_states:
             prof.lap("forward")
             return StepHandle(self.batch, [], [], None)

@@ -94,7 +94,7 @@ async def test_a_steps_outputs_are_posted_between_the_next_steps_inputs_and_forw
         return call
 
     runner._prepare_inputs = recorded("inputs", runner._prepare_inputs)
-    runner._run_model = recorded("forward", runner._run_model)
+    runner.run_model = recorded("forward", runner.run_model)
     engine._call_loop = recorded("post", engine._call_loop)  # type: ignore[method-assign]
     engine.start()
     try:

@@ -110,7 +110,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path):
                                                                    use_tqdm=False)
     llm = LLM(path, attention_backend="triton", max_num_seqs=8, enforce_eager=True, **on)
     runner = llm.engine.executor.runner
-    graphs = EmulatedGraphRunner(runner._run_model, 8, runner.max_blocks_per_req,
+    graphs = EmulatedGraphRunner(runner.run_model, 8, runner.max_blocks_per_req,
                                  runner.max_model_len, runner.device)
     graphs.capture()
     runner.cuda_graphs = graphs
