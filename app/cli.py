@@ -245,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["auto", "hermes", "llama3_json", "mistral"],
                       help="the format of the model's tool calls (default: the one its chat "
                       "template uses, else hermes)")
+    chat.add_argument("--reasoning-parser", default="auto",
+                      choices=["auto", "none", "qwen3", "deepseek_r1"],
+                      help="where the model's thinking ends: <think>...</think> goes to "
+                      "reasoning_content (default: by the chat template's markers; none: off)")
 
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",

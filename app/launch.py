@@ -75,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_without_key=args.metrics_without_key,
         request_body_timeout=args.request_body_timeout,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         request_timeout=args.request_timeout, enable_request_tracing=args.enable_request_tracing,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_prompts_per_request=args.max_prompts_per_request,

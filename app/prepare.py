@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.app.body_screen import check_prompt_count, check_tool_count
 from tidal.app.conversation import encode_prompt, fit_conversation, render_chat
 from tidal.app.errors import ApiError, bad_request
+from tidal.app.reasoning import ReasoningFormat
 from tidal.app.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -27,6 +28,7 @@ from tidal.app.structured import (
     ToolUse,
     from_response_format,
     from_structured_outputs,
+    reasoning_format_for,
     reply_constraint,
     tool_constraint,
 )
@@ -63,6 +65,7 @@ class PreparedRequest:
     # context; ``None`` when truncation was not asked for.
     dropped_messages: int | None = None
     tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
+    reasoning: ReasoningFormat | None = None  # where the reply's thinking ends, if it thinks
     timeout: float | None = None  # seconds it may wait and run: its own, or the server's
     arrival: Arrival | None = None  # stamped by ``handling.prepare_off_loop``
 
@@ -147,7 +150,8 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
-        dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state))
+        dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state),
+        reasoning=reasoning_format_for(state))
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidal.app.errors import bad_request
+from tidal.app.reasoning import ReasoningFormat, default_format, get_format
 from tidal.app.tool_parsers import ToolParser, default_parser, get_parser
 from tidal.core.structured_output import StructuredOutputsParams
 from tidal.core.structured_output.limits import GrammarError
@@ -71,6 +72,15 @@ def from_structured_outputs(value: Any) -> StructuredOutputsParams | None:
         return spec_of(**{kind: constraint}, field=f"structured_outputs.{kind}")
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc), f"structured_outputs.{kind}") from None
+
+
+def reasoning_format_for(state: ServerState) -> ReasoningFormat | None:
+    """The server's ``--reasoning-parser``, else the one its chat template's markers name;
+    None where replies are not split (``none``, or a template without thinking)."""
+    name = state.settings.reasoning_parser
+    if name in (None, "auto"):
+        name = default_format(state.chat_template.text)
+    return None if name in (None, "none") else get_format(name)
 
 
 def tool_parser_for(state: ServerState) -> ToolParser:
