@@ -435,7 +435,7 @@ def test_serve_help_groups_flags_by_topic() -> None:
     assert groups["API and security"] == ["api_key", "metrics_without_key", "allowed_origins",
                                           "allowed_hosts", "max_request_bytes",
                                           "request_body_timeout"]
-    assert groups["chat and tools"] == ["chat_template", "tool_call_parser"]
+    assert groups["chat and tools"] == ["chat_template", "tool_call_parser", "reasoning_parser"]
     assert groups["logging"] == ["log_level", "enable_request_tracing", "otlp_traces_endpoint"]
     assert "request_timeout" in groups["engine and scheduler"]
 
