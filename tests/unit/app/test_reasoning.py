@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.app.test_tool_parsers import chunkings
 from tidal.app.reasoning import (
     FORMATS,
     ReasoningSplitter,
@@ -26,18 +25,6 @@ def streamed(fmt, pieces: list[str]) -> tuple[str | None, str]:
     return "".join(d.reasoning for d in deltas) or None, "".join(d.content for d in deltas)
 
 
-def cuts(text: str, seed: int) -> list[list[str]]:
-    rng, out = random.Random(seed), [[text], list(text)]
-    for _ in range(3):
-        pieces, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            pieces.append(text[i:i + n])
-            i += n
-        out.append(pieces)
-    return out
-
-
 @pytest.mark.parametrize("fmt,text,expected", [
     (QWEN3, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
     (QWEN3, "Paris.", (None, "Paris.")),  # thinking off: all answer
@@ -50,7 +37,7 @@ def cuts(text: str, seed: int) -> list[list[str]]:
 ])
 def test_thinking_and_answer(fmt, text, expected):
     assert split_reasoning(fmt, text) == expected
-    for seed, pieces in enumerate(cuts(text, 0)):
+    for seed, pieces in enumerate(chunkings(text, 0)):
         assert streamed(fmt, pieces) == expected, (seed, pieces)
 
 
@@ -75,7 +62,7 @@ def test_any_reply_streams_like_the_whole(name, before, after, opened, closed, s
     fmt = get_format(name)
     text = ("<think>" if opened else "") + before + ("</think>" if closed else "") + after
     whole = split_reasoning(fmt, text)
-    for pieces in cuts(text, seed):
+    for pieces in chunkings(text, seed):
         assert streamed(fmt, pieces) == whole
     if name == "qwen3" and not text.startswith("<think>"):
         assert whole == (None, text)  # no block: all answer
