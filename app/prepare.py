@@ -26,6 +26,7 @@ from tidal.app.schemas import (
 )
 from tidal.app.structured import (
     ToolUse,
+    after_thinking,
     from_response_format,
     from_structured_outputs,
     reasoning_format_for,
@@ -143,6 +144,12 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         prompt = render_chat(state, messages, tool_use.tools if tool_use else None,
                              req.chat_template_kwargs)
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
+    reasoning = reasoning_format_for(state)
+    if reasoning is not None:
+        reasoning = reasoning.for_prompt(prompt)
+    if params.structured_outputs is not None:  # it holds the answer, after any thinking
+        params = params.clone(structured_outputs=after_thinking(params.structured_outputs,
+                                                                reasoning))
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
     _check_token_ids(state, token_ids, "messages")
     check_request_tokens(state, [len(token_ids)], params, max_field)
@@ -151,7 +158,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
         dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state),
-        reasoning=reasoning_format_for(state))
+        reasoning=reasoning)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

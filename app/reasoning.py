@@ -7,15 +7,24 @@ Two formats, as vLLM names them (``--reasoning-parser``):
 - ``deepseek_r1``: the chat template opens the block in the prompt, so the reply starts inside
   it (a leading ``<think>`` is skipped) and thinks until ``</think>``.
 
+Where the prompt itself ends matters more than the format: a prompt that ends inside an
+opened block (``<think>\n``) has a reply that starts thinking, one that ends with a closed
+block (Qwen3's ``enable_thinking: false`` writes an empty one) has a reply that is all answer
+(``ReasoningFormat.for_prompt``).
+
 One state machine serves the whole reply and its deltas, deciding at each character with the
 text up to a fixed distance past it, so a stream and the whole reply always agree. Whitespace
 right after ``</think>`` is the block's, not the answer's.
+
+A constraint on the reply (a JSON schema, a regex, the tools' grammar) holds the answer alone:
+``thinking_format`` is the block as a grammar, which the constraint follows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 START, END = "<think>", "</think>"
 
@@ -31,6 +40,17 @@ class _State(Enum):
 class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block (deepseek_r1)
+    closed: bool = False  # the prompt holds the whole block: the reply is all answer
+
+    def for_prompt(self, prompt: str) -> ReasoningFormat:
+        """This format after ``prompt``: one ending inside an opened block starts the reply
+        inside it, one ending with a closed block leaves the reply all answer."""
+        tail = prompt.rstrip()
+        if tail.endswith(END):
+            return replace(self, closed=True)
+        if tail.endswith(START):
+            return replace(self, starts_inside=True)
+        return self
 
 
 FORMATS = {"qwen3": ReasoningFormat("qwen3", starts_inside=False),
@@ -66,7 +86,7 @@ class ReasoningSplitter:
         self.text = ""
         self.pos = 0
         self.final = False
-        self.state = _State.OPENING
+        self.state = _State.ANSWER if fmt.closed else _State.OPENING
         self.starts_inside = fmt.starts_inside
 
     def feed(self, text: str) -> ReasoningDelta:
@@ -123,6 +143,19 @@ class ReasoningSplitter:
                     break
         out, self.pos = self.text[self.pos:stop], stop
         return out
+
+
+def thinking_format(fmt: ReasoningFormat) -> dict[str, Any] | None:
+    """The reply's thinking as a format of xgrammar's structural tag, with the whitespace
+    after it: any text up to END (the reply may skip writing an opened block's START, or,
+    where the model decides, the whole block); None where the prompt closed the block."""
+    if fmt.closed:
+        return None
+    block = {"type": "tag", "begin": "" if fmt.starts_inside else START,
+             "content": {"type": "any_text"}, "end": END}
+    if not fmt.starts_inside:
+        block = {"type": "optional", "content": block}
+    return {"type": "sequence", "elements": [block, {"type": "regex", "pattern": "\\n{0,2}"}]}
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str | None, str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidal.app.errors import bad_request
-from tidal.app.reasoning import ReasoningFormat, default_format, get_format
+from tidal.app.reasoning import ReasoningFormat, default_format, get_format, thinking_format
 from tidal.app.tool_parsers import ToolParser, default_parser, get_parser
 from tidal.core.structured_output import StructuredOutputsParams
 from tidal.core.structured_output.limits import GrammarError
@@ -121,3 +121,20 @@ def reply_constraint(*specs: StructuredOutputsParams | None) -> StructuredOutput
         raise bad_request(f"only one of {' and '.join(fields)} can constrain the reply",
                           fields[-1])
     return given[0] if given else None
+
+
+def after_thinking(spec: StructuredOutputsParams | None, fmt: ReasoningFormat | None
+                   ) -> StructuredOutputsParams | None:
+    """``spec`` held to the answer alone: the reply's thinking first, free, then ``spec``
+    (where the reply thinks at all)."""
+    thinking = None if spec is None or fmt is None else thinking_format(fmt)
+    if thinking is None:
+        return spec
+    assert spec is not None
+    try:
+        answer = spec.as_format()
+    except ValueError as exc:
+        raise bad_request(str(exc), spec.field) from None
+    tag = {"type": "structural_tag",
+           "format": {"type": "sequence", "elements": [thinking, answer]}}
+    return spec_of(structural_tag=tag, field=spec.field)

@@ -69,6 +69,28 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def as_format(self) -> dict[str, Any]:
+        """The constraint as one format of xgrammar's structural tag, so that it can follow
+        something else in one grammar (a reasoning model's thinking: app/reasoning.py)."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if isinstance(value, str) and kind in ("json", "structural_tag"):
+            value = json.loads(value)
+        if kind == "json":
+            return {"type": "json_schema", "json_schema": value}
+        if kind == "json_object":
+            return {"type": "json_schema", "json_schema": {"type": "object"}}
+        if kind == "regex":
+            return {"type": "regex", "pattern": value}
+        if kind == "grammar":
+            return {"type": "grammar", "grammar": value}
+        if kind == "choice":
+            return {"type": "or", "elements": [{"type": "const_string", "value": c}
+                                               for c in value]}
+        if not isinstance(value, dict) or not isinstance(value.get("format"), dict):
+            raise ValueError(f"{self.field} must be a structural tag with a 'format' to "
+                             "follow a reasoning model's thinking")
+        return value["format"]
+
     def key(self) -> tuple[str, str]:
         """What identifies the grammar in the compile cache: its kind and a digest of its
         canonical text (computed at construction)."""
