@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from tidal.app.admission import Admitted
+from tidal.app.chat_reply import ReplyDeltas, whole_message
 from tidal.app.errors import ApiError
 from tidal.app.handling import (
     chat_logprobs,
@@ -19,10 +20,8 @@ from tidal.app.handling import (
 )
 from tidal.app.metrics import RequestTracker
 from tidal.app.prepare import PreparedRequest, prepare_chat_request
-from tidal.app.reasoning import ReasoningSplitter, split_reasoning
 from tidal.app.server_state import ServerState
 from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from tidal.app.tool_parsers import ToolCallStreamer
 from tidal.core.outputs import CompletionOutput, RequestOutput
 
 
@@ -54,10 +53,7 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
             event["usage"] = None
         return sse_event(event)
 
-    streamers = ({i: prep.tool_use.parser.streamer() for i in range(n)}
-                 if prep.tool_use is not None else {})
-    thinkers = ({i: ReasoningSplitter(prep.reasoning) for i in range(n)}
-                if prep.reasoning is not None else {})
+    replies = [ReplyDeltas(prep.tool_use, prep.reasoning) for _ in range(n)]
     for index in range(n):
         yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None})
@@ -70,8 +66,7 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
             cached = out.num_cached_tokens
             for comp in out.outputs:
                 generated += len(comp.token_ids)
-                choice = _delta_choice(state, prep, comp, streamers.get(comp.index),
-                                       thinkers.get(comp.index))
+                choice = _delta_choice(state, prep, comp, replies[comp.index])
                 if choice is not None:
                     yield chunk(choice)
     except ApiError as err:
@@ -91,19 +86,8 @@ async def stream_chat(state: ServerState, prep: PreparedRequest, tracker: Reques
 
 
 def _delta_choice(state: ServerState, prep: PreparedRequest, comp: CompletionOutput,
-                  streamer: ToolCallStreamer | None = None,
-                  thinker: ReasoningSplitter | None = None) -> dict[str, Any] | None:
-    text, reasoning = comp.text, ""
-    if thinker is not None:
-        parts = [thinker.feed(text)] + ([thinker.finish()] if comp.finish_reason else [])
-        text = "".join(p.content for p in parts)
-        reasoning = "".join(p.reasoning for p in parts)
-    delta: dict[str, Any] = {"content": text} if text else {}
-    finish_reason = comp.finish_reason
-    if streamer is not None:
-        delta, finish_reason = _tool_delta(streamer, text, comp.finish_reason)
-    if reasoning:
-        delta = {"reasoning_content": reasoning, **delta}
+                  deltas: ReplyDeltas) -> dict[str, Any] | None:
+    delta, finish_reason = deltas.feed(comp.text, comp.finish_reason)
     if not delta and finish_reason is None and not (prep.logprobs and comp.token_ids):
         return None
     logprobs = None
@@ -111,42 +95,6 @@ def _delta_choice(state: ServerState, prep: PreparedRequest, comp: CompletionOut
         logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
     return {"index": comp.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": finish_reason}
-
-
-def _tool_delta(streamer: ToolCallStreamer, text: str, reason: str | None
-                ) -> tuple[dict[str, Any], str | None]:
-    """The delta of a reply that may call tools: its text split into content and
-    ``tool_calls`` fragments; ``finish_reason`` "tool_calls" if it called any."""
-    parts = [streamer.feed(text)] if text else []
-    if reason is not None:
-        parts.append(streamer.finish(cut=reason == "length"))
-    delta: dict[str, Any] = {}
-    content = "".join(p.content for p in parts)
-    calls = [c for p in parts for c in p.tool_calls]
-    if content:
-        delta["content"] = content
-    if calls:
-        delta["tool_calls"] = calls
-    return delta, _finish_reason(reason, bool(streamer.result().tool_calls))
-
-
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
-
-
-def _message(prep: PreparedRequest, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-    """The non-streamed ``message`` and ``finish_reason`` of one choice."""
-    text, thinking = comp.text, {}
-    if prep.reasoning is not None:
-        reasoning, text = split_reasoning(prep.reasoning, text)
-        thinking = {"reasoning_content": reasoning}
-    if prep.tool_use is None:
-        return {"role": "assistant", **thinking, "content": text}, comp.finish_reason
-    reply = prep.tool_use.parser.extract(text, cut=comp.finish_reason == "length")
-    message: dict[str, Any] = {"role": "assistant", **thinking, "content": reply.content}
-    if reply.tool_calls:
-        message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
-    return message, _finish_reason(comp.finish_reason, bool(reply.tool_calls))
 
 
 async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int, Any]:
@@ -173,7 +121,8 @@ async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int,
         logprobs = None
         if prep.logprobs:
             logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, prep.top_logprobs)
-        message, finish_reason = _message(prep, comp)
+        message, finish_reason = whole_message(prep.tool_use, prep.reasoning, comp.text,
+                                               comp.finish_reason)
         choices.append({"index": comp.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
     generated = sum(len(c.token_ids) for c in final.outputs)

@@ -57,7 +57,8 @@ def truncation_reserve(context_tokens: int) -> int:
 
 
 def fit_conversation(state: ServerState, messages: list[dict[str, str]],
-                      params: SamplingParams, template_kwargs: dict[str, Any] | None = None
+                      params: SamplingParams, template_kwargs: dict[str, Any] | None = None,
+                      tools: list[dict[str, Any]] | None = None
                       ) -> tuple[str, list[int], int]:
     """The conversation's prompt and token ids once its oldest turns are dropped until the
     prompt leaves room for the reply: ``max_tokens`` when given, else ``truncation_reserve`` (or
@@ -86,7 +87,7 @@ def fit_conversation(state: ServerState, messages: list[dict[str, str]],
         if d not in tried:
             start = others[d] if others else 0
             kept = [m for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
-            prompt = render_chat(state, kept, template_kwargs=template_kwargs)
+            prompt = render_chat(state, kept, tools, template_kwargs)
             ids = None if len(prompt) > state.max_prompt_chars else _tokenize(
                 state, prompt, add_special_tokens=False)
             tried[d] = prompt, ids

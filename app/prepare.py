@@ -123,8 +123,6 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
                               "required", f"messages[{i}].content")
     tool_use, tool_spec = tool_constraint(state, req.tools, req.tool_choice,
                                           req.parallel_tool_calls)
-    if tool_use is not None and truncate:
-        raise bad_request("tools are not offered in this chat", "tools")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None \
         else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -134,15 +132,15 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
                               logprobs=top if req.logprobs else None, names={
                                   "max_tokens": max_field, "logprobs": "top_logprobs"})
     params = _constrained(params, req, tool_spec)
+    tools = tool_use.tools if tool_use is not None else None
     if tool_use is not None and tool_use.parser.name == "mistral":
         params = params.clone(skip_special_tokens=False)  # its trigger is a special token
     dropped = None
     if truncate:
         prompt, token_ids, dropped = fit_conversation(state, messages, params,
-                                                      req.chat_template_kwargs)
+                                                      req.chat_template_kwargs, tools)
     else:
-        prompt = render_chat(state, messages, tool_use.tools if tool_use else None,
-                             req.chat_template_kwargs)
+        prompt = render_chat(state, messages, tools, req.chat_template_kwargs)
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     reasoning = reasoning_format_for(state)
     if reasoning is not None:

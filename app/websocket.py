@@ -6,8 +6,10 @@ Frame protocol (JSON text frames; docs/api.md's "The websocket chat" section has
   ``model`` may be left out) optionally tagged ``"type": "chat"``, or ``{"type": "cancel"}``.
   ``"truncation": "auto"`` (as in OpenAI's Responses API; the default is ``"disabled"``) lets a
   conversation too long for the context lose its oldest turns instead of failing.
-- server -> client, per turn: ``{"type": "delta", "id", "index", "text", "num_tokens"}`` frames,
-  then exactly one terminal frame: ``{"type": "done", "id", "model", "finish_reason",
+- server -> client, per turn: ``{"type": "delta", "id", "index", "text", "num_tokens"}`` frames
+  (``text``: the answer; with a reasoning parser, ``"reasoning"``: the thinking; with tools,
+  ``"tool_calls"``: fragments as in the chat API's ``delta.tool_calls``), then exactly one
+  terminal frame: ``{"type": "done", "id", "model", "finish_reason",
   "choices", "usage"}`` (plus ``"dropped_messages"`` with truncation) or ``{"type": "error",
   "id", "error": {...}}``.
 
@@ -47,6 +49,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from tidal.app.admission import bearer_token, client_key
+from tidal.app.chat_reply import ReplyDeltas
 from tidal.app.errors import ApiError, bad_request
 from tidal.app.handling import (
     chat_logprobs,
@@ -142,6 +145,7 @@ class Turn:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     num_tokens: int = 0
     num_cached_tokens: int = 0
+    replies: list[ReplyDeltas] = field(default_factory=list)  # each choice's parts
 
 
 class ChatSocket:
@@ -288,6 +292,8 @@ class ChatSocket:
     async def _stream(self, turn: Turn, prep: PreparedRequest, tracker: RequestTracker
                       ) -> None:
         """Forward the engine's deltas as delta frames until the request finishes."""
+        turn.replies = [ReplyDeltas(prep.tool_use, prep.reasoning)
+                        for _ in range(prep.params.n)]
         stream = generate(self.state, turn.id, prep.prompt_token_ids, prep.params, prep.prompt,
                           prep.arrival)
         expired = False
@@ -306,12 +312,18 @@ class ChatSocket:
                        ) -> bool:
         """Send one choice's delta as a delta frame; ``False`` if it had nothing to send."""
         turn.num_tokens += len(choice.token_ids)
-        if choice.finish_reason is not None:
-            turn.finish_reasons[choice.index] = choice.finish_reason
-        if not choice.text and not choice.token_ids:
+        delta, reason = turn.replies[choice.index].feed(choice.text, choice.finish_reason)
+        if reason is not None:
+            turn.finish_reasons[choice.index] = reason
+        if not delta and not choice.token_ids:
             return False
         frame: dict[str, Any] = {"type": "delta", "id": turn.id, "index": choice.index,
-                                 "text": choice.text, "num_tokens": len(choice.token_ids)}
+                                 "text": delta.get("content", ""),
+                                 "num_tokens": len(choice.token_ids)}
+        if "reasoning_content" in delta:
+            frame["reasoning"] = delta["reasoning_content"]
+        if "tool_calls" in delta:
+            frame["tool_calls"] = delta["tool_calls"]
         if prep.logprobs:
             frame["logprobs"] = chat_logprobs(self.state, choice.token_ids, choice.logprobs,
                                               prep.top_logprobs)
