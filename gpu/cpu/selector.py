@@ -45,7 +45,9 @@ MIN_CALLS, MAX_CALLS = 3, 25
 TIE_MARGIN = 0.05
 PASSES = 2  # sweeps over the buckets, a candidate's best over all of them counting
 # Bumped when how plans are chosen changes, so plans cached by the older rule are timed again.
-SELECTOR_VERSION = "2"
+SELECTOR_VERSION = "3"
+# Timings noisier than this (``timing_noise``) make a plan provisional: timed again later.
+NOISY = 0.15
 
 # (candidate's name, its call, how many calls) -> the best call's ms. Tests give their own.
 Timer = Callable[[str, Callable[[], object], int], float]
@@ -93,6 +95,9 @@ class Plan:
     bounds: tuple[int, ...]
     choices: tuple[str, ...]
     timings: tuple[dict[str, float], ...] = ()
+    noise: float = 0.0  # timing_noise while it was timed
+    load: float | None = None  # the host's load per core when it was timed
+    made_at: float = 0.0  # when (seconds since the epoch); 0 for a plan not timed
     _table: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,14 +142,21 @@ class Plan:
         return min(sorted(names), key=lambda n: sum(t[n] / min(t.values())
                                                     for t in self.timings))
 
+    @property
+    def provisional(self) -> bool:
+        """Timed while the host was too noisy to trust: to be timed again when quiet."""
+        return self.noise > NOISY
+
     def to_json(self) -> dict:
         return {"bounds": list(self.bounds), "choices": list(self.choices),
-                "timings": list(self.timings)}
+                "timings": list(self.timings), "noise": self.noise, "load": self.load,
+                "made_at": self.made_at}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         return cls(tuple(data["bounds"]), tuple(data["choices"]),
-                   tuple(data.get("timings", ())))
+                   tuple(data.get("timings", ())), float(data.get("noise", 0.0)),
+                   data.get("load"), float(data.get("made_at", 0.0)))
 
 
 def best_ms(fn: Callable[[], object], calls: int) -> float:
@@ -161,35 +173,85 @@ def host_timer(name: str, fn: Callable[[], object], calls: int) -> float:
     return best_ms(fn, calls)
 
 
-def time_candidates(fns: dict[str, Callable[[], object]], timer: Timer = host_timer
-                    ) -> dict[str, float]:
-    """Each candidate's best time, ms. Candidates are called in turns, a few calls each, so a
+@dataclass
+class Timed:
+    """One bucket's timings: each round's time per candidate (a round: ``MIN_CALLS`` calls,
+    its best counting), rounds alternating between the candidates."""
+
+    rounds: dict[str, list[float]]
+
+    def best(self) -> dict[str, float]:
+        return {name: min(times) for name, times in self.rounds.items()}
+
+    def merge(self, other: Timed) -> Timed:
+        return Timed({name: times + other.rounds.get(name, [])
+                      for name, times in self.rounds.items()})
+
+
+def time_candidates(fns: dict[str, Callable[[], object]], timer: Timer = host_timer) -> Timed:
+    """Each candidate's rounds, ms. Candidates are called in turns, a few calls each, so a
     burst of load on the host falls on all of them rather than on one."""
     first = {name: timer(name, fn, 1) for name, fn in fns.items()}  # warms caches and packs too
     slowest = max(max(first.values()), 1e-3)
     calls = int(min(MAX_CALLS, max(MIN_CALLS, TARGET_MS_PER_CANDIDATE / slowest)))
-    best = dict(first)
-    for _ in range(max(1, calls // MIN_CALLS)):
+    rounds: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(2, calls // MIN_CALLS)):
         for name, fn in fns.items():
-            best[name] = min(best[name], timer(name, fn, MIN_CALLS))
-    return best
+            rounds[name].append(timer(name, fn, MIN_CALLS))
+    return Timed(rounds)
+
+
+def timing_noise(timed: Iterable[Timed]) -> float:
+    """How much the host disturbed the timings: the median, over every bucket's candidates,
+    of the spread of a candidate's rounds (slowest over fastest, less one). A quiet host
+    repeats a call within a few percent; a co-tenant makes rounds differ by tens."""
+    spreads = sorted(max(times) / max(min(times), 1e-9) - 1.0
+                     for t in timed for times in t.rounds.values() if len(times) > 1)
+    return spreads[len(spreads) // 2] if spreads else 0.0
+
+
+def host_load() -> float:
+    """The 1-minute load average per core (what else the host was running, and this
+    process itself)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
 
 
 def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callable[[], object]]],
            timer: Timer = host_timer) -> Plan:
-    """Time ``candidates(rows)`` at every bucket (``PASSES`` sweeps) and keep, per bucket, the
-    fastest of the fewest candidates that come within ``TIE_MARGIN`` of every bucket's best
-    (``fewest_within``)."""
+    """Time ``candidates(rows)`` at every bucket (``PASSES`` sweeps, a candidate's best over
+    all its rounds counting) and keep the fewest candidates that come within the margin of
+    every bucket's best (``fewest_within``), then per bucket the fastest of them, holding to
+    the previous bucket's choice unless it loses by more than the margin
+    (``steady_choices``). The margin is ``TIE_MARGIN`` or the timings' noise, if more: a win
+    inside the noise is no win, so a noisy host gets one layout per op, not a patchwork."""
     bounds = list(buckets)
-    timings = [time_candidates(candidates(rows), timer) for rows in bounds]
+    timed = [time_candidates(candidates(rows), timer) for rows in bounds]
     for _ in range(PASSES - 1):  # a burst of load on the host now spoils one pass, not all
-        for i, rows in enumerate(bounds):
-            again = time_candidates(candidates(rows), timer)
-            timings[i] = {name: min(ms, again[name]) for name, ms in timings[i].items()}
-    kept = fewest_within(timings, TIE_MARGIN)
-    choices = [min(kept & set(t), key=t.__getitem__) for t in timings]
+        timed = [t.merge(time_candidates(candidates(rows), timer))
+                 for t, rows in zip(timed, bounds)]
+    timings = [t.best() for t in timed]
+    noise = timing_noise(timed)
+    margin = max(TIE_MARGIN, noise)
+    choices = steady_choices(timings, fewest_within(timings, margin), margin)
     return Plan(tuple(bounds), tuple(choices),
-                tuple({name: round(ms, 4) for name, ms in t.items()} for t in timings))
+                tuple({name: round(ms, 4) for name, ms in t.items()} for t in timings),
+                noise=round(noise, 4), load=round(host_load(), 2), made_at=round(time.time()))
+
+
+def steady_choices(timings: list[dict[str, float]], kept: set[str], margin: float
+                   ) -> list[str]:
+    """Per bucket, the fastest of ``kept``, unless the previous bucket's choice is within
+    ``margin`` of it: neighbouring buckets flip only on a win larger than the margin."""
+    choices: list[str] = []
+    for t in timings:
+        best = min(kept & set(t), key=t.__getitem__)
+        if choices and choices[-1] in t and t[choices[-1]] <= (1 + margin) * t[best]:
+            best = choices[-1]
+        choices.append(best)
+    return choices
 
 
 def fewest_within(timings: list[dict[str, float]], margin: float) -> set[str]:

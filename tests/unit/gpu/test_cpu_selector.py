@@ -71,6 +71,63 @@ def test_choose_keeps_few_layouts_when_the_others_win_by_noise() -> None:
     assert selector.fewest_within([{"a": 1.0, "b": 0.97}, {"a": 1.0, "b": 1.2}], 0.05) == {"a"}
 
 
+def noisy(by_rows: dict[int, dict[str, float]], noise: float, seed: int):
+    """``scripted``, but each round of calls takes up to ``noise`` (a fraction) longer, at
+    random: a co-tenant that comes and goes."""
+    import random
+
+    rng = random.Random(seed)
+    candidates, exact = scripted(by_rows)
+    return candidates, lambda name, fn, calls: exact(name, fn, calls) * (
+        1 + noise * rng.random() ** 2)
+
+
+BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+# "a" wins the small buckets and "b" the large ones by 3x; in between they are within a few
+# percent of each other.
+SPLIT = {rows: {"a": 1.0, "b": 3.0} if rows <= 8 else {"a": 1.0, "b": 0.97} if rows <= 32
+         else {"a": 3.0, "b": 1.0} for rows in BUCKETS}
+CLOSE = {rows: {"a": 1.0 + 0.04 * (rows % 3), "b": 1.02 + 0.03 * (rows % 2),
+                "torch": 1.05} for rows in BUCKETS}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_cannot_make_a_patchwork(seed: int) -> None:
+    """Candidates within the noise of each other: one layout serves every bucket, however
+    the noise falls; a plan timed that noisily says so (provisional)."""
+    plan = choose(BUCKETS, *noisy(CLOSE, 0.5, seed))
+    assert len(plan.used()) == 1, plan.describe()
+    assert plan.provisional and plan.noise > selector.NOISY
+    quiet = choose(BUCKETS, *scripted(CLOSE))
+    assert quiet.noise == 0.0 and not quiet.provisional
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_keeps_every_choice_won_by_more_than_the_noise(seed: int) -> None:
+    quiet = choose(BUCKETS, *scripted(SPLIT))
+    plan = choose(BUCKETS, *noisy(SPLIT, 0.5, seed))
+    for rows, truth in SPLIT.items():
+        best = min(truth, key=truth.get)
+        if all(ms > 1.5 * truth[best] for name, ms in truth.items() if name != best):
+            assert plan.pick(rows) == quiet.pick(rows) == best, (rows, plan.describe())
+    # one switch from "a" to "b", however the close buckets in between fall
+    assert plan.used() == {"a", "b"}
+    assert sum(x != y for x, y in zip(plan.choices, plan.choices[1:])) == 1
+
+
+def test_neighbouring_buckets_flip_only_on_a_win_past_the_margin() -> None:
+    timings = [{"a": 1.0, "b": 1.01}, {"a": 1.0, "b": 0.97}, {"a": 0.98, "b": 1.0},
+               {"a": 1.5, "b": 1.0}, {"a": 1.0, "b": 1.03}]
+    assert selector.steady_choices(timings, {"a", "b"}, 0.05) == ["a", "a", "a", "b", "b"]
+    assert selector.steady_choices(timings, {"a", "b"}, 0.0) == ["a", "b", "a", "b", "a"]
+
+
+def test_plans_keep_how_they_were_made(tmp_path: Path) -> None:
+    plan = choose([1, 2], *noisy({1: {"a": 1.0, "b": 2.0}, 2: {"a": 1.0, "b": 2.0}}, 0.4, 0))
+    assert plan.made_at > 0 and plan.load is not None and plan.noise > 0
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
 def test_plan_describes_merged_spans() -> None:
     plan = Plan((8, 16, 64, 128), ("onednn", "panels", "panels", "mkl"))
     assert plan.describe() == "onednn 1-8, panels 9-64, mkl 65+ rows"
