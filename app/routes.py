@@ -28,6 +28,7 @@ from tidal.app.guard import RequestGuard
 from tidal.app.handling import check_api_key, get_state
 from tidal.app.metrics import CONTENT_TYPE
 from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
+from tidal.app.responses import create_response, delete_response, get_response
 from tidal.app.server_state import ServerSettings, ServerState
 from tidal.app.tracing import install as install_request_tracing
 from tidal.app.websocket import chat_page, chat_websocket
@@ -58,6 +59,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

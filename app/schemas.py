@@ -135,6 +135,27 @@ class CompletionRequest(SamplingFields):
                          " or a list of non-empty token-id lists")
 
 
+class ResponsesRequest(_Model):
+    """``POST /v1/responses``: the fields this server reads (others are ignored); its
+    translation into a chat request is ``app/responses_request.py``'s."""
+
+    model: str | None = None  # None: the served model
+    input: Any  # a string or a list of input items (``app/responses_input.py``)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": ...}}
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    background: bool | None = False  # not offered
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -16,6 +16,7 @@ from tidal.app.admission import Admission
 from tidal.app.body_screen import screen_pool
 from tidal.app.chat_template import ChatTemplate
 from tidal.app.metrics import ServerMetrics
+from tidal.app.response_store import ResponseStore
 from tidal.core.token_decoders import token_bytes
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB of JSON body
 PREPARE_WORKERS = 4  # threads preparing request bodies (the tokenizer releases the GIL)
 # Seconds a request's body may take to arrive, all of it, after its headers: 4 MiB at 70 KB/s
 DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
+DEFAULT_RESPONSE_STORE_ENTRIES = 4096
+DEFAULT_RESPONSE_STORE_BYTES = 64 << 20
 
 
 @dataclass
@@ -55,6 +58,9 @@ class ServerSettings:
     max_waiting_seqs: int = 512  # sequences waiting past a full batch before 429
     max_waiting_seqs_per_client: int | None = None  # one client's share; None: half
     fair_share_by: str = "address"  # who a client is: address, api-key, user or none
+    # the Responses API's stored responses (app/response_store.py): the oldest go past either
+    response_store_entries: int = DEFAULT_RESPONSE_STORE_ENTRIES
+    response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES
 
 
 @dataclass
@@ -70,8 +76,15 @@ class ServerState:
     max_num_seqs: int  # sequences in one batch: how many one request may have in the engine
     # the engine's configuration as plain values, for /get_server_info
     engine_config: dict[str, Any] = field(default_factory=dict)
+    # the Responses API's stored responses, for ``previous_response_id`` and ``GET``; read on
+    # the prepare threads, so made here rather than on first use
+    responses: ResponseStore = field(init=False, repr=False)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.settings.response_store_entries,
+                                       self.settings.response_store_bytes)
 
     @property
     def served_model_name(self) -> str:

@@ -2,9 +2,12 @@
 leaving.
 
 Every event is exactly ``data: <json>\\n\\n`` (orjson, no spaces); every stream ends with
-``data: [DONE]\\n\\n``. Both responses below run their work in a task and watch ``receive``
-for ``http.disconnect`` at the same time: when the client goes, the work is cancelled, which
-leaves ``AsyncEngine.generate`` early and aborts the request. No polling.
+``data: [DONE]\\n\\n``. The Responses API's events are OpenAI's typed events instead:
+``event: <type>\\ndata: <json>\\n\\n``, without ``[DONE]``.
+
+Both responses below run their work in a task and watch ``receive`` for ``http.disconnect`` at
+the same time: when the client goes, the work is cancelled, which leaves
+``AsyncEngine.generate`` early and aborts the request. No polling.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ SSE_HEADERS = [
 def sse_event(payload: Any) -> bytes:
     """One SSE event carrying ``payload`` as compact JSON."""
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def named_sse_event(name: str, payload: Any) -> bytes:
+    """One SSE event of type ``name`` carrying ``payload`` as compact JSON."""
+    return b"event: " + name.encode() + b"\n" + sse_event(payload)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
