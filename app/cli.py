@@ -260,18 +260,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="send each request's phases as OpenTelemetry spans to this OTLP/HTTP "
                       "collector, e.g. http://127.0.0.1:4318/v1/traces (needs "
                       "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)")
+    plans = commands.add_parser(
+        "plans", help="show, re-time or clear this machine's CPU plans",
+        description="The CPU plans: which kernel runs each op at each batch size, timed on "
+        "this host and kept in ~/.cache/tidal (TIDAL_CACHE_DIR).")
+    plans.add_argument("action", nargs="?", choices=["show", "retime", "clear"],
+                       default="show", help="show them (the default); mark them to be timed "
+                       "again once a server idles; or delete them, so the next start times "
+                       "them")
     return parser
-
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         from tidal.app.launch import serve
 
         sys.exit(serve(args))
+    if args.command == "plans":
+        from tidal.core.executor import cpu_plans
+
+        print(cpu_plans(args.action))
 
 
 if __name__ == "__main__":

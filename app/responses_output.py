@@ -2,10 +2,11 @@
 
 ``ResponseBuilder`` is fed the reply's text deltas as the engine produces them. The chat
 endpoint's ``ReplyDeltas`` (``app/chat_reply.py``) divides the text; the builder turns each
-piece into the items it belongs to, in the order they appear: a ``reasoning`` item for the thinking, a ``message``
-item with an ``output_text`` part for the answer, a ``function_call`` item for each call
-(sent whole, as the streamer finds it). A streamed response sends its events; a whole one is
-fed the same deltas and keeps only the items, so the two hold the same output.
+piece into the items it belongs to, in the order they appear: a ``reasoning`` item for the
+thinking, a ``message`` item with an ``output_text`` part for the answer, a
+``function_call`` item for each call (sent whole, as the streamer finds it). A streamed
+response sends its events; a whole one is fed the same deltas and keeps only the items, so the
+two hold the same output.
 
 Events follow OpenAI's order, each with its ``sequence_number``: ``response.created``,
 ``response.in_progress``, then per item ``output_item.added``, ``content_part.added``, the

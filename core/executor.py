@@ -83,6 +83,14 @@ def create_executor(config: EngineConfig) -> Executor:
     return create(config)
 
 
+def cpu_plans(action: str) -> str:
+    """``tidal plans``: this machine's CPU plan files shown (``show``), marked to be timed
+    again (``retime``) or deleted (``clear``); what was done (``gpu/cpu/plan_files.py``)."""
+    from tidal.gpu.cpu.plan_files import run
+
+    return run(action)
+
+
 def run_worker_node(config: EngineConfig) -> int:
     """A node past the first of a multi-node group: its ranks' worker processes, until they
     end; their largest exit code."""

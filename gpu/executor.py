@@ -57,3 +57,6 @@ class UniProcExecutor(Executor):
 
     def kernel_summary(self) -> str:
         return self.runner.kernel_summary()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -17,8 +18,9 @@ from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
-from tidal.gpu.cpu.kernel_upgrade import KernelUpgrade, needs_background_build
 from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
+from tidal.gpu.cpu.model_upgrade import CpuUpgrades
+from tidal.gpu.cpu.selector import Plan, PlanCache
 from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
@@ -48,14 +50,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.tp = tensor_parallel()
         self.shard_config = local_config(model_config, self.tp)  # this rank's heads
-        # A first start on a CPU serves on torch's paths while the kernels build (a server's
-        # on one device; a tensor-parallel rank builds them first, as its peers do).
-        # Its stopgap model is not timed: the build shares the cores, and it serves minutes.
-        self._upgrade = (KernelUpgrade(self._load_model)
-                         if self.device == "cpu" and not config.offline and self.tp.size == 1
-                         and needs_background_build() else None)
+        # A first start on a CPU serves at once while the kernels build or its plans are
+        # timed, and plans timed on a noisy host are timed again later (a server's, on one
+        # device; a tensor-parallel rank builds and plans first, as its peers do).
+        self._last_step_at = 0.0  # time.monotonic() of the latest step
+        self._upgrades = (CpuUpgrades(self._load_model, _plans_of, self.plan_signature(),
+                                      lambda: self._last_step_at)
+                          if self.device == "cpu" and not config.offline and self.tp.size == 1
+                          else None)
         # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
-        self.model, self.cpu = self._load_model(timed=self._upgrade is None)
+        self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
+                                else self._load_model())
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -172,9 +177,13 @@ class ModelRunner:
             graphs = ", CUDA graphs for decode steps" if self.cuda_graphs is not None else ""
             return f"{self.backend.name} attention{graphs}"
         mode = selector.mode()
-        if self._upgrade is not None:
+        waiting = self._upgrades.waiting if self._upgrades is not None else None
+        if waiting == "kernels":
             return (f"--cpu-kernels {mode}: torch's paths while tidal's C++ kernels build in the "
                     "background, then the kernels")
+        if waiting == "plans":
+            return (f"--cpu-kernels {mode}: untimed defaults while this model's plans are "
+                    "timed in the background")
         if self.cpu is None:
             return f"--cpu-kernels {mode}: torch's own paths ({self.dtype} is not packed)"
         plans = self.cpu.plans
@@ -193,28 +202,41 @@ class ModelRunner:
         """The attention backend of the model that runs now."""
         return self.model.layers[0].self_attn.backend
 
-    def _load_model(self, timed: bool = True) -> LoadedModel:
+    def shutdown(self) -> None:
+        """Stop waiting to re-time plans (an upgrade already under way runs out)."""
+        if self._upgrades is not None:
+            self._upgrades.cancel()
+
+    def plan_signature(self) -> str:
+        """What the model's CPU plans depend on beyond the host: its shapes and settings."""
+        c, m = self.config, self.model_config
+        return (f"{m.architecture}|h{m.hidden_size}|i{m.intermediate_size}|l{m.num_layers}|"
+                f"{m.num_heads}/{m.num_kv_heads}x{m.head_dim}|v{m.vocab_size}|{self.dtype}|"
+                f"{c.quantization}/{c.quantization_group_size}|{c.attention_backend}|"
+                f"rows{c.max_num_batched_tokens}|seqs{c.max_num_seqs}|len{self.max_model_len}")
+
+    def _load_model(self, timed: bool = True, plan_cache: PlanCache | None = None
+                    ) -> LoadedModel:
         config = self.config
         backend = get_attention_backend(config.attention_backend, config.device)
         loaded = load_model(config.model, self.model_config, LoadOptions(
             backend, self.max_model_len, self.dtype, config.device,
             max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs, timed=timed,
-            quantization=config.quantization, group_size=config.quantization_group_size))
+            quantization=config.quantization, group_size=config.quantization_group_size,
+            plan_cache=plan_cache))
         if config.device == "cpu":
             release_freed_host_memory()  # the load's temporaries, kept by the thresholds
         return loaded
 
-    def _swap_in_kernels(self) -> None:
-        """Between steps: the model planned on the CPU kernels, once built in the background."""
-        loaded, self._upgrade = self._upgrade.model(), None
-        if loaded is None:
-            return
+    def _swap_in(self, loaded: LoadedModel) -> None:
+        """Between steps: the model upgraded in the background (``gpu/cpu/model_upgrade.py``)."""
         self.model, self.cpu = loaded
         kernels = load_cpu_kernels()
         self._decode_inputs = kernels.decode_inputs if kernels is not None else None
         if kernels is not None:  # the step modes were entered before the kernels were there
             kernels.flush_denormals_in_pool()
-        logger.info("the C++ CPU kernels are built: serving on them from this step")
+        logger.info("serving on the upgraded CPU model from this step: %s",
+                    self.kernel_summary())
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
@@ -262,8 +284,11 @@ class ModelRunner:
     def _launch_step(self, sched: SchedulerOutput,
                      before_forward: Callable[[], None] | None) -> StepHandle:
         prof = self.profiler
-        if self._upgrade is not None and self._upgrade.ready():
-            self._swap_in_kernels()
+        self._last_step_at = time.monotonic()
+        if self._upgrades is not None:
+            upgraded = self._upgrades.poll()
+            if upgraded is not None:
+                self._swap_in(upgraded)
         self._update_states(sched)
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
@@ -399,3 +424,9 @@ class ModelRunner:
         if self.device == "cpu":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def _plans_of(loaded: LoadedModel) -> list[Plan] | None:
+    """A loaded CPU model's timed plans (None off the kernels, or untimed)."""
+    cpu = loaded.cpu
+    return list(cpu.plans.plans.values()) if cpu is not None and cpu.plans.timed else None

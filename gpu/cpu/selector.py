@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -291,19 +292,39 @@ class PlanCache:
     """Plans by key (op and shape), in one JSON file per host key."""
 
     def __init__(self, directory: Path | None = None, key: dict[str, str] | None = None,
-                 timer: Timer = host_timer) -> None:
+                 timer: Timer | None = None) -> None:
         self.key = key if key is not None else host_key()
-        self.timer = timer
+        self.timer = timer if timer is not None else host_timer
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = (directory or cache_dir()) / f"cpu_plans-{digest}.json"
         self.plans: dict[str, Plan] = {}
+        # the models (their shapes and settings, ``ModelRunner.plan_signature``) planned whole
+        self.models: dict[str, dict] = {}
         self.measured: list[str] = []  # keys timed in this process, not read from the file
+        self._changed = False
         try:
             data = json.loads(self.path.read_text())
             if data.get("host") == self.key:  # a file from another host is never read
                 self.plans = {k: Plan.from_json(v) for k, v in data["plans"].items()}
-        except (OSError, ValueError, KeyError, TypeError):
+                self.models = dict(data.get("models", {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
+
+    def knows_model(self, signature: str) -> bool:
+        """Whether every plan of the model ``signature`` names was timed here before."""
+        return signature in self.models
+
+    def record_model(self, signature: str, plans: list[Plan]) -> None:
+        self.models[signature] = {"made_at": round(time.time()),
+                                  "provisional": any(p.provisional for p in plans)}
+        self._changed = True
+
+    def forget_provisional(self) -> list[str]:
+        """Drop the plans timed on a noisy host, so they are timed again; their keys."""
+        dropped = [k for k, plan in self.plans.items() if plan.provisional]
+        for key in dropped:
+            del self.plans[key]
+        return dropped
 
     def get_or_choose(self, key: str, buckets: list[int],
                       candidates: Callable[[int], dict[str, Callable[[], object]]]) -> Plan:
@@ -315,13 +336,14 @@ class PlanCache:
         return plan
 
     def save(self) -> None:
-        if not self.measured:
+        if not self.measured and not self._changed:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
             tmp.write_text(json.dumps({"host": self.key, "plans": {
-                k: p.to_json() for k, p in sorted(self.plans.items())}}, indent=1))
+                k: p.to_json() for k, p in sorted(self.plans.items())},
+                "models": self.models}, indent=1))
             tmp.replace(self.path)
         except OSError as exc:
             logger.warning("could not save the CPU kernel plans to %s: %s", self.path, exc)

@@ -12,7 +12,7 @@ from tidal.core.config import DEFAULT_MODEL, EngineConfig
 from tidal.core.engine_core import EngineCore
 from tidal.core.sampling_params import SamplingParams
 from tidal.gpu.attention import CpuAttentionBackend, TorchAttentionBackend
-from tidal.gpu.cpu import kernel_upgrade, kernels, selector
+from tidal.gpu.cpu import kernels, model_upgrade, selector
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is None,
                                 reason="needs the C++ kernels")
@@ -43,7 +43,7 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     monkeypatch.setattr(selector, "_mode", None)  # the engines below set it; restored after
     monkeypatch.setattr(kernels, "_background", None)
     monkeypatch.setattr(kernels, "_build_and_load", slow_build)
-    monkeypatch.setattr(kernel_upgrade, "is_built", lambda: False)
+    monkeypatch.setattr(model_upgrade, "is_built", lambda: False)
     config = EngineConfig(model=DEFAULT_MODEL, max_model_len=128, cpu_kernels="auto")
     engine = EngineCore(config)
     runner = engine.executor.runner
@@ -57,14 +57,16 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     def at_step(step: int) -> None:
         if step == 3:
             release.set()
-            runner._upgrade.future.result(timeout=120)  # the model on the kernels is ready
+            runner._upgrades.pending.future.result(timeout=120)  # the model on the kernels is ready
         if runner.model is not first_model and not swapped_at:
             swapped_at.append(step)
 
     prompt = list(range(5, 25))
     tokens = _greedy(engine, prompt, 12, at_step)
     assert swapped_at == [4]  # prepared before step 3, swapped in as step 3 launched
-    assert runner._upgrade is None and kernels.load_cpu_kernels() is built
+    upgrades = runner._upgrades  # nothing more to wait for, unless plans are timed again
+    assert upgrades.waiting is None and (upgrades.pending is None or upgrades.retiming)
+    assert kernels.load_cpu_kernels() is built
     assert isinstance(runner.model.layers[0].self_attn.backend, CpuAttentionBackend)
 
     reference = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=128,
@@ -98,3 +100,73 @@ def test_a_build_lock_left_by_a_dead_builder_is_cleared(monkeypatch, tmp_path) -
     os.utime(lock, (old, old))
     kernels._clear_stale_lock()
     assert not lock.exists()
+
+
+# -- plans timed in the background, and timed again once the host is quiet --------------------
+def _engine(max_model_len: int = 96) -> EngineCore:
+    return EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=max_model_len,
+                                   cpu_kernels="auto", max_num_seqs=4))
+
+
+def _scripted(slower: str, noise: float):
+    """A timer that runs each call once but reports made-up times: 1 ms, 3 ms for
+    ``slower``'s kind (torch's paths, or all the others with ``slower="others"``), each round
+    up to ``noise`` longer at random: a co-tenant that comes and goes, or (no noise) a
+    quiet host where that kind loses."""
+    import random
+
+    rng = random.Random(0)
+
+    def timer(name, fn, calls):
+        fn()
+        ms = 3.0 if (name == selector.TORCH) == (slower == "torch") else 1.0
+        return ms * (1 + noise * rng.random())
+
+    return timer
+
+
+def test_a_new_model_serves_on_defaults_while_its_plans_are_timed(monkeypatch, tmp_path):
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(selector, "_mode", None)
+    engine = _engine()
+    runner = engine.executor.runner
+    assert runner._upgrades.waiting == "plans" and not runner.cpu.plans.timed
+    assert "timed in the background" in runner.kernel_summary()
+    untimed = runner.model
+    runner._upgrades.pending.future.result(timeout=300)
+    tokens = _greedy(engine, list(range(5, 25)), 10)
+    assert runner.model is not untimed and runner.cpu.plans.timed  # swapped at the first step
+    assert runner._upgrades.waiting is None
+    reference = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=96,
+                                        cpu_kernels="off"))
+    assert tokens == _greedy(reference, list(range(5, 25)), 10)
+    # the next start of the same model reads its plans back: nothing in the background
+    again = _engine().executor.runner
+    assert again._upgrades.waiting is None and again.cpu.plans.timed
+    assert again.cpu.plans.measured == 0
+
+
+def test_plans_timed_under_load_are_timed_again_when_quiet_and_swapped(monkeypatch, tmp_path):
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(selector, "_mode", None)
+    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
+    monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
+    # a co-tenant while the first plans are timed: torch's paths look fastest, and noisy
+    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))
+    engine = _engine()
+    runner = engine.executor.runner
+    runner._upgrades.pending.future.result(timeout=300)
+    prompt = list(range(5, 25))
+    before = _greedy(engine, prompt, 6)
+    loaded_plans = runner.cpu.plans.plans
+    assert any(p.provisional for p in loaded_plans.values())
+    assert runner._upgrades.retiming  # it waits for the engine to idle
+    # quiet now: the re-time finds the kernels faster, and the model is swapped
+    monkeypatch.setattr(selector, "host_timer", _scripted("torch", 0.0))
+    runner._upgrades.pending.future.result(timeout=300)
+    after = _greedy(engine, prompt, 6)
+    assert runner.cpu.plans.plans != loaded_plans
+    assert not any(p.provisional for p in runner.cpu.plans.plans.values())
+    assert selector.KERNELS in runner.cpu.plans.plans["rms_norm"].used()
+    assert runner._upgrades.pending is None  # nothing left to time
+    assert after == before  # greedy tokens unchanged across the swap
