@@ -21,6 +21,7 @@ from tidal.gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_h
 from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from tidal.gpu.cpu.model_upgrade import CpuUpgrades
 from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.cpu.step_watch import StepWatch
 from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
@@ -61,6 +62,8 @@ class ModelRunner:
         # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
         self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
                                 else self._load_model())
+        self._step_watch = (StepWatch(lambda rows: self.cpu and self.cpu.expected_decode_ms(rows))
+                            if self._upgrades is not None else None)
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -238,6 +241,20 @@ class ModelRunner:
         logger.info("serving on the upgraded CPU model from this step: %s",
                     self.kernel_summary())
 
+    def _watched_forward(self, inputs: StepInputs) -> torch.Tensor:
+        """``run_model``, a CPU server's decode steps timed against their plans: steps
+        persistently slower than planned have the plans timed again (``StepWatch``)."""
+        meta = inputs.meta
+        if self._step_watch is None or not meta.is_decode_only:
+            return self.run_model(inputs.input_ids, inputs.positions, meta)
+        start = time.perf_counter()
+        hidden = self.run_model(inputs.input_ids, inputs.positions, meta)
+        ms = (time.perf_counter() - start) * 1e3
+        context = sum(meta.seq_lens_cpu) / max(1, meta.num_reqs)
+        if self._step_watch.observe(meta.num_reqs, context, ms):
+            self._upgrades.slow_steps()
+        return hidden
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         """The step's final hidden states: from the CPU's one-call decode step where it takes
@@ -300,7 +317,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self._watched_forward(inputs)
         if not inputs.sampling_states:
             prof.lap("forward")
             return StepHandle(self.batch, [], [], None)
@@ -429,4 +446,6 @@ class ModelRunner:
 def _plans_of(loaded: LoadedModel) -> list[Plan] | None:
     """A loaded CPU model's timed plans (None off the kernels, or untimed)."""
     cpu = loaded.cpu
-    return list(cpu.plans.plans.values()) if cpu is not None and cpu.plans.timed else None
+    if cpu is None or not cpu.plans.timed:
+        return None
+    return list(cpu.plans.plans.values()) + ([cpu.stack_plan] if cpu.stack_plan else [])

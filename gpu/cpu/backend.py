@@ -19,8 +19,15 @@ from torch import nn
 from tidal.gpu.attention import AttentionMetadata
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.decode_stack import build_decode_stack, runs_on_stack
-from tidal.gpu.cpu.op_plans import ModelPlans, log_plans, plan_decode_stack, plan_model, stack_rows
-from tidal.gpu.cpu.selector import PlanCache
+from tidal.gpu.cpu.op_plans import (
+    STACK,
+    ModelPlans,
+    log_plans,
+    plan_decode_stack,
+    plan_model,
+    stack_rows,
+)
+from tidal.gpu.cpu.selector import Plan, PlanCache
 from tidal.gpu.quantization.head import QuantEmbedding
 
 
@@ -32,6 +39,19 @@ class CpuBackend:
     stack: Any | None = None  # decode_stack's DecodeStack; None where it does not apply
     stack_rows: list[bool] = field(default_factory=list)  # whether a step of so many rows takes it
     embedding: nn.Module | None = None  # the model's token embedding, which the stack looks up
+    stack_plan: Plan | None = None  # the decode step timed whole, where it was (plan_decode_stack)
+
+    def expected_decode_ms(self, rows: int) -> float | None:
+        """What a decode step of ``rows`` rows took when its plan was timed (at
+        ``DECODE_CONTEXT`` positions), None where it was not timed."""
+        plan = self.stack_plan
+        if plan is None or not plan.timings:
+            return None
+        i = next((i for i, bound in enumerate(plan.bounds) if rows <= bound), None)
+        if i is None:
+            return None
+        choice = plan.pick(rows)
+        return plan.timings[i].get(choice)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]],
@@ -66,6 +86,7 @@ def prepare_for_cpu(model: nn.Module, max_rows: int, max_seqs: int,
     cpu = CpuBackend(plans, build_decode_stack(model, max(max_rows, max_seqs)),
                      stack_rows(model, max_seqs), model.embed_tokens)
     if cpu.stack is not None and timed_here and cache is not None:
-        cpu.stack_rows = plan_decode_stack(model, cpu, max_seqs, cache)
+        cpu.stack_plan = plan_decode_stack(model, cpu, max_seqs, cache)
+        cpu.stack_rows = [cpu.stack_plan.pick(r) == STACK for r in range(max_seqs + 1)]
         cache.save()
     return cpu

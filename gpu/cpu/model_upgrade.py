@@ -157,14 +157,25 @@ class CpuUpgrades(Generic[Model]):
             logger.info("CPU plans timed again on a quieter host: swapping them in")
         return model
 
+    def slow_steps(self) -> None:
+        """The serving model's steps run slower than its plans said: time them all again
+        once the engine idles (unless an upgrade is on its way already)."""
+        if self.pending is not None or selector.mode() != "auto" or not self.current:
+            return
+        logger.info("decode steps run slower than their CPU plans said: timing them again "
+                    "once the engine idles")
+        self._retime(forget=list(self.current))
+
     def cancel(self) -> None:
         if self._wait is not None:
             self._wait.cancelled.set()
 
-    def _timed(self, retime: bool = False) -> Model:
+    def _timed(self, retime: bool = False, forget: list[Plan] | None = None) -> Model:
         cache = PlanCache()
         if retime:
             cache.forget_provisional()
+        if forget:
+            cache.forget(forget)
         model = self.load(True, cache)
         plans = self.plans(model)
         if plans is not None:
@@ -178,12 +189,17 @@ class CpuUpgrades(Generic[Model]):
         if selector.mode() != "auto" or not any(p.provisional for p in plans):
             self.delay = 0.0
             return
+        self._retime()
+
+    def _retime(self, forget: list[Plan] | None = None) -> None:
+        """Time the provisional plans (and ``forget``'s) again, after the next delay and
+        once the engine idles."""
         self.delay = next_delay(self.delay)
         self._wait = IdleWait(self.delay, self.last_step)
         self.retiming = True
-        self.pending = ModelUpgrade(lambda: self._timed(retime=True),
-                                    f"CPU plans timed on a noisy host wait {self.delay:.0f} s "
-                                    "and an idle engine to be timed again", wait=self._wait)
+        self.pending = ModelUpgrade(lambda: self._timed(retime=True, forget=forget),
+                                    f"CPU plans wait {self.delay:.0f} s and an idle engine to "
+                                    "be timed again", wait=self._wait)
 
 
 def _choices(plans: list[Plan] | None) -> list[tuple]:

@@ -132,11 +132,11 @@ def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
 
 
 def plan_decode_stack(model: nn.Module, cpu: CpuBackend, max_seqs: int,
-                      cache: PlanCache) -> list[bool]:
-    """For 0, 1, ... ``max_seqs`` rows: whether ``cpu``'s one-call decode step beats the step
-    through the model's layers (each op on its own plan), timed as a whole: timing the ops one
-    by one misses what the one call saves between them, so an op whose torch form wins alone
-    could keep the faster step off."""
+                      cache: PlanCache) -> Plan:
+    """Whether ``cpu``'s one-call decode step (``STACK``) beats the step through the model's
+    layers (``LAYERS``, each op on its own plan) at each row count up to ``max_seqs``, timed
+    as a whole: timing the ops one by one misses what the one call saves between them, so an
+    op whose torch form wins alone could keep the faster step off."""
     linears = ",".join(sorted({type(m).__name__ for m in model.layers[0].modules()
                                if hasattr(m, "kernel")}))
     cfg, dtype = model.local_config, model.norm.weight.dtype
@@ -146,7 +146,7 @@ def plan_decode_stack(model: nn.Module, cpu: CpuBackend, max_seqs: int,
     with denormals_flushed():
         plan = cache.get_or_choose(key, selector.row_buckets(max_seqs),
                                    _stack_candidates(model, cpu))
-    return [plan.pick(r) == STACK for r in range(max_seqs + 1)]
+    return plan
 
 
 def _stack_candidates(model: nn.Module, cpu: CpuBackend) -> Candidates:

@@ -319,6 +319,13 @@ class PlanCache:
                                   "provisional": any(p.provisional for p in plans)}
         self._changed = True
 
+    def forget(self, plans: list[Plan]) -> list[str]:
+        """Drop the plans equal to any of ``plans``, so they are timed again; their keys."""
+        dropped = [k for k, plan in self.plans.items() if plan in plans]
+        for key in dropped:
+            del self.plans[key]
+        return dropped
+
     def forget_provisional(self) -> list[str]:
         """Drop the plans timed on a noisy host, so they are timed again; their keys."""
         dropped = [k for k, plan in self.plans.items() if plan.provisional]
