@@ -50,7 +50,7 @@ class ModelUpgrade(Generic[Model]):
         self.make_model = make_model
         self.wait = wait  # blocks until it is time to start; False: never
         self.future: Future = Future()
-        logger.info("serving while %s in the background", why)
+        logger.info("serving while %s", why)
         if after is None:
             self._start(None)
         else:
@@ -58,8 +58,8 @@ class ModelUpgrade(Generic[Model]):
 
     @classmethod
     def for_kernels(cls, make_model: Callable[[], Model | None]) -> ModelUpgrade[Model]:
-        return cls(make_model, "tidal's C++ CPU kernels build (once per machine), on torch's "
-                   "paths", after=build_in_background())
+        return cls(make_model, "tidal's C++ CPU kernels build in the background (once per "
+                   "machine), on torch's paths meanwhile", after=build_in_background())
 
     def _start(self, prerequisite: Future | None) -> None:
         threading.Thread(target=self._prepare, args=(prerequisite,), name="tidal-model-upgrade",
@@ -132,8 +132,8 @@ class CpuUpgrades(Generic[Model]):
         if needs_background_build():
             self.pending, self.waiting = ModelUpgrade.for_kernels(self._timed), "kernels"
         elif selector.mode() == "auto" and not PlanCache().knows_model(self.signature):
-            self.pending = ModelUpgrade(self._timed, "this model's CPU plans are timed, on "
-                                        "untimed defaults")
+            self.pending = ModelUpgrade(self._timed, "this model's CPU plans are timed in the "
+                                        "background, on untimed defaults meanwhile")
             self.waiting = "plans"
         if self.pending is not None:
             return self.load(False, None)
@@ -198,8 +198,8 @@ class CpuUpgrades(Generic[Model]):
         self._wait = IdleWait(self.delay, self.last_step)
         self.retiming = True
         self.pending = ModelUpgrade(lambda: self._timed(retime=True, forget=forget),
-                                    f"CPU plans wait {self.delay:.0f} s and an idle engine to "
-                                    "be timed again", wait=self._wait)
+                                    f"its CPU plans wait {self.delay:.0f} s and an idle engine "
+                                    "to be timed again in the background", wait=self._wait)
 
 
 def _choices(plans: list[Plan] | None) -> list[tuple]:
