@@ -43,6 +43,14 @@ BENCH_SHAPES: dict[str, dict] = {
         num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
         tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
         rms_norm_eps=1e-6),
+    # A model a user would recognise on a CPU: Qwen2.5-0.5B's body (hidden 896, 24 layers,
+    # 14 query and 2 KV heads) as a Llama with a 32,000-token vocabulary (0.42B parameters,
+    # 1.66 GB in float32), so llama.cpp converts it as it does any Llama.
+    "llama-0.4b": dict(
+        model_type="llama", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=32000,
+        tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=4096,
+        rms_norm_eps=1e-6),
     # The CPU serving comparison's small Llama against vLLM and llama.cpp (27.7M parameters):
     # the default benchmark model's layers (bench.common.BENCH_LLAMA) with a 4,000-token vocab.
     "llama-28m": dict(

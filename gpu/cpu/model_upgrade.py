@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 Model = TypeVar("Model")  # what the runner loads: its model and what goes with it
 # Provisional plans are timed again after this many seconds, then twice as long each try.
-RETIME_AFTER_S, RETIME_AT_MOST_S = 60.0, 3600.0
+RETIME_AFTER_S, RETIME_AT_MOST_S = 30.0, 3600.0
 IDLE_S = 2.0  # no step for this long: the engine is idle, a re-time may start
 
 
@@ -152,9 +152,10 @@ class CpuUpgrades(Generic[Model]):
         same = retimed and _choices(self.plans(model)) == _choices(self.current)
         self._after(model)
         if same:
-            return None  # the plans stand: nothing to swap
+            logger.info("CPU plans timed again: they stand")
+            return None  # nothing to swap
         if retimed:
-            logger.info("CPU plans timed again on a quieter host: swapping them in")
+            logger.info("CPU plans timed again: swapping in the model on the new ones")
         return model
 
     def slow_steps(self) -> None:
