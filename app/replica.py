@@ -44,6 +44,9 @@ async def server_info(request: Request) -> Response:
         "dp_size": 1,  # one tidal process is one data-parallel rank
         "tp_size": config.get("tensor_parallel_size", 1),
         "engine_config": config,
+        # what runs the model's ops now: it changes once a background upgrade (the CPU
+        # kernels built, the plans timed) is swapped in
+        "kernels": state.engine.core.executor.kernel_summary(),
     })
 
 

@@ -189,3 +189,24 @@ def run_command(cmd: list[str], limit_s: float, log: Path,
             stop_process_group(proc, 10)
             code = None
     return CommandRun(code, time.monotonic() - start, log.read_text(errors="replace"), log)
+
+
+def wait_settled(url: str, limit_s: float = 900.0) -> float:
+    """Seconds until a tidal server has swapped in what it prepared in the background (its
+    CPU kernels built, its plans timed: ``kernels`` in ``/get_server_info``), a one-token
+    completion every two seconds giving it the step it swaps at. What a benchmark measures
+    is then the server as it goes on serving, not its first minute."""
+    start = time.monotonic()
+    while True:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=30) as resp:
+            info = json.loads(resp.read())
+        if "in the background" not in info.get("kernels", ""):
+            return time.monotonic() - start
+        if time.monotonic() - start > limit_s:
+            raise TimeoutError(f"still upgrading after {limit_s:.0f} s: {info.get('kernels')}")
+        body = json.dumps({"model": info["served_model_name"], "prompt": "a", "max_tokens": 1})
+        request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60):
+            pass
+        time.sleep(2.0)

@@ -52,7 +52,7 @@ from bench.common import RESULTS_DIR, bench_model_dir, write_result
 from bench.load_generator import RequestClass, Workload, run_classes
 from bench.model_shapes import ALL_SHAPES
 from bench.peers import PEERS, Peer, add_peer_args, find_peers
-from bench.processes import LaunchedServer
+from bench.processes import LaunchedServer, wait_settled
 from bench.prompt_text import text_prompts
 from bench.serving_report import markdown
 from tidal.app.launch import run_event_loop
@@ -185,6 +185,8 @@ def run_servers(starters: dict[str, Callable[[], LaunchedServer]], args: argpars
             started = time.perf_counter()
             if attempt(kind, server.wait_ready):
                 runs[kind]["ready_after_s"] = time.perf_counter() - started
+                if kind == "tidal":  # measured once its background upgrades are in
+                    runs[kind]["settled_after_s"] = wait_settled(server.url)
                 attempt(kind, partial(warm_up, server, kind, tokenizer, args.warmup))
         for scenario, round_classes in prepared:
             if args.scenario_warmup:

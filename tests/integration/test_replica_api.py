@@ -151,6 +151,7 @@ def test_server_info_has_what_sglang_router_reads(client: TestClient, model_dir:
         config = info["engine_config"]
         assert config["model"] == str(model_dir) and config["enable_prefix_caching"] is True
         assert config["max_num_seqs"] == 8 and config["block_size"] == info["page_size"]
+        assert info["kernels"]  # what runs the model's ops now, as the banner says
 
 
 def test_model_info(client: TestClient, model_dir: Path) -> None:
