@@ -15,6 +15,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from tidal.app.banner import package_version
+from tidal.app.tool_parsers import PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -242,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="a Jinja2 chat template to use instead of the model's")
     chat.add_argument("--tool-call-parser", default="auto",
-                      choices=["auto", "hermes", "llama3_json", "mistral"],
+                      choices=["auto", *PARSERS],
                       help="the format of the model's tool calls (default: the one its chat "
                       "template uses, else hermes)")
     chat.add_argument("--reasoning-parser", default="auto",

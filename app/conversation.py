@@ -4,6 +4,7 @@ oldest turns."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,23 @@ def _tokenize(state: ServerState, text: str, add_special_tokens: bool) -> list[i
     ids = state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     state.metrics.tokenization_time.observe(time.perf_counter() - start)
     return ids
+
+
+def call_for_template(call: Any) -> Any:
+    """An earlier tool call with its ``arguments`` JSON text as the object it holds, as chat
+    templates take it (Hugging Face's convention, and vLLM's): a template that writes each
+    argument (Qwen3-Coder's parameters) cannot parse JSON. Text that is not a JSON object
+    stays as it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]],

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tidal.app.body_screen import check_prompt_count, check_tool_count
-from tidal.app.conversation import encode_prompt, fit_conversation, render_chat
+from tidal.app.conversation import (
+    call_for_template,
+    encode_prompt,
+    fit_conversation,
+    render_chat,
+)
 from tidal.app.errors import ApiError, bad_request
 from tidal.app.reasoning import ReasoningFormat
 from tidal.app.schemas import (
@@ -133,8 +138,8 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
                                   "max_tokens": max_field, "logprobs": "top_logprobs"})
     params = _constrained(params, req, tool_spec)
     tools = tool_use.tools if tool_use is not None else None
-    if tool_use is not None and tool_use.parser.name == "mistral":
-        params = params.clone(skip_special_tokens=False)  # its trigger is a special token
+    if tool_use is not None and tool_use.parser.special_markers:
+        params = params.clone(skip_special_tokens=False)  # the parser must see its markers
     dropped = None
     if truncate:
         prompt, token_ids, dropped = fit_conversation(state, messages, params,
@@ -163,7 +168,7 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     """A message as the chat template takes it: string content, and the tool fields given."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls is not None:
-        out["tool_calls"] = m.tool_calls
+        out["tool_calls"] = [call_for_template(call) for call in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out

@@ -45,7 +45,7 @@ class ServerSettings:
     metrics_without_key: bool = False  # /metrics open to a scraper without --api-key's key
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds for a whole body
     chat_template: str | None = None  # a template file to use instead of the tokenizer's
-    tool_call_parser: str | None = None  # hermes, llama3_json, mistral; None: from the template
+    tool_call_parser: str | None = None  # a name in tool_parsers.PARSERS; None: from the template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1, "none"; None: from the template
     request_timeout: float | None = None  # seconds a request may wait and run; None: no limit
     enable_request_tracing: bool = False  # a JSON log line per finished request

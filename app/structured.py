@@ -83,13 +83,14 @@ def reasoning_format_for(state: ServerState) -> ReasoningFormat | None:
     return None if name in (None, "none") else get_format(name)
 
 
-def tool_parser_for(state: ServerState) -> ToolParser:
+def tool_parser_for(state: ServerState, tools: list[dict[str, Any]] | None = None
+                    ) -> ToolParser:
     """The server's ``--tool-call-parser``, else the one its chat template's format names,
-    else Hermes'."""
+    else Hermes', reading the replies to a request offering ``tools``."""
     name = state.settings.tool_call_parser
     if name in (None, "auto"):
         name = default_parser(state.chat_template.text) or "hermes"
-    return get_parser(name)
+    return get_parser(name, tools)
 
 
 def tool_constraint(state: ServerState, tools: list[dict[str, Any]] | None, tool_choice: Any,
@@ -101,8 +102,8 @@ def tool_constraint(state: ServerState, tools: list[dict[str, Any]] | None, tool
         raise bad_request("tool_choice needs tools", "tool_choice")
     if not tools or tool_choice == "none":
         return None, None
-    parser = tool_parser_for(state)
     try:
+        parser = tool_parser_for(state, tools)
         tag = parser.structural_tag(tools, tool_choice or "auto",
                                     parallel_tool_calls is not False)
     except ValueError as exc:

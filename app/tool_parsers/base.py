@@ -85,19 +85,25 @@ def calls_format(tags: list[dict[str, Any]], separator: str, parallel: bool
 
 class ToolParser(ABC):
     """A format's calls: ``extract`` for a whole reply, ``streamer`` for one arriving in
-    deltas, ``structural_tag`` for the grammar that keeps the model to the format."""
+    deltas, ``structural_tag`` for the grammar that keeps the model to the format. Built with a
+    request's ``tools``, it reads values their parameters' schemas type (Qwen3-Coder's)."""
 
     name: ClassVar[str]
     syntax: ClassVar[CallSyntax]
     trigger: ClassVar[str]  # what opens a call in free text, for the grammar
     separator: ClassVar[str]  # between calls where the reply is calls only
+    # its markers are special tokens, which the detokenizer must not skip
+    special_markers: ClassVar[bool] = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.schemas = function_schemas(tools or [])
 
     def extract(self, text: str, cut: bool = False) -> ParsedReply:
         """A whole reply's content and calls (``cut``: it ran into ``max_tokens``)."""
-        return split_reply(self.syntax, text, cut)
+        return split_reply(self.syntax, text, cut, self.schemas)
 
     def streamer(self) -> ToolCallStreamer:
-        return ToolCallStreamer(self.syntax)
+        return ToolCallStreamer(self.syntax, self.schemas)
 
     def structural_tag(self, tools: list[dict[str, Any]] | None, tool_choice: Any = "auto",
                        parallel_tool_calls: bool = True) -> dict[str, Any] | None:
@@ -118,16 +124,18 @@ class ToolParser(ABC):
         """The tag one call to ``name`` is written as, its arguments held to ``schema``."""
 
     def auto_format(self, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-        """Free text, where each trigger opens one of ``tags``; the format's other markers
-        may not appear in the text (they would be call markup in the content)."""
+        """Free text, where each trigger opens one of ``tags`` (or, for a format that lists its
+        calls, the one list, which ends the reply); the format's other markers may not appear
+        in the text (they would be call markup in the content)."""
+        if self.syntax.listed is not None:
+            tags, parallel = [self.forced_format(tags, parallel)], False
         return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
                 "at_least_one": False, "stop_after_first": not parallel,
                 "excludes": self.text_excludes()}
 
     def markers(self) -> list[str]:
-        """Every marker of the format's calls: its triggers and its closer."""
-        found = [t.text for t in self.syntax.triggers] + [self.syntax.closer]
-        return [m for m in dict.fromkeys(found) if m]
+        """Every marker of the format's calls: its triggers, its closer and its markup."""
+        return self.syntax.markers()
 
     def text_excludes(self) -> list[str]:
         """The markers free text may not contain: all but the grammar's own trigger, which
@@ -135,5 +143,11 @@ class ToolParser(ABC):
         return [m for m in self.markers() if m != self.trigger and not m.startswith("{")]
 
     def forced_format(self, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-        """Calls only, at least one."""
-        return calls_format(tags, self.separator, parallel)
+        """Calls only, at least one (in the one list of a format that lists its calls, after
+        its trigger)."""
+        calls = calls_format(tags, self.separator, parallel)
+        listed = self.syntax.listed
+        if listed is None:
+            return calls
+        return {"type": "tag", "begin": self.trigger + listed.opener, "content": calls,
+                "end": listed.closer}

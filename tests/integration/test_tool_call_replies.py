@@ -1,9 +1,10 @@
 """Tool calls that never break, sampled at temperature 1.0 over 50 seeds for every format:
 on the embedded model, whose tokenizer spells the markers (``<tool_call>``, ``[TOOL_CALLS]``,
-``<|python_tag|>``) as plain text, and on a random model that has them as single special
-tokens. A named function gives exactly one call, ``required`` one or more, ``auto`` only valid
-calls; no call markup ever reaches the content, a reply cut by ``max_tokens`` included; the
-streamed reply is the whole reply, delta by delta."""
+``<|python_tag|>``, ``<｜tool▁sep｜>``, ...) as plain text, and on a random model that has them
+as single special tokens and prompts with the format's own chat template where tidal ships one.
+A named function gives exactly one call, ``required`` one or more, ``auto`` only valid calls;
+no call markup ever reaches the content, a reply cut by ``max_tokens`` included; the streamed
+reply is the whole reply, delta by delta."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
+from tidal.app.chat_template import ChatTemplate
 from tidal.app.routes import build_app
 from tidal.app.server_state import ServerSettings
 from tidal.app.tool_parsers import PARSERS, get_parser
@@ -38,10 +40,16 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}}
          for n, s in SCHEMAS.items()]
 CHAT = [{"role": "user", "content": "Describe a knight as JSON."}]
 NAMED = {"type": "function", "function": {"name": "summon"}}
-# tool_choice, max_tokens, whether the call(s) can be cut short
+# tool_choice, max_tokens (past what the format's markers take), whether the call(s) can be
+# cut short
 CASES = {"named": (NAMED, 120), "required": ("required", 120), "auto": ("auto", 120),
          "cut": ("required", 14)}
-SPECIAL_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+SPECIAL_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+                   "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                   "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+# the formats' own chat templates, for the model that knows their markers (else Hermes')
+TEMPLATES = {"qwen3_coder": "qwen3_coder_tools.jinja", "mistral_v11": "mistral_v11_tools.jinja",
+             "deepseek_v3": "deepseek_v3_tools.jinja", "deepseek_v31": "deepseek_v31_tools.jinja"}
 
 
 def _client(model: str, chat_template: str | None) -> Iterator[TestClient]:
@@ -66,8 +74,14 @@ def client(request: pytest.FixtureRequest,
 def _ask(client: TestClient, parser: str, case: str, stream: bool) -> list[dict[str, Any]]:
     """The ``SEEDS`` choices of one request (seed 0 + i for choice i), each as
     ``{"content", "calls": [(name, arguments)], "finish"}``."""
-    client.app.state.tidal.settings.tool_call_parser = parser
+    state = client.app.state.tidal
+    state.settings.tool_call_parser = parser
+    if state.settings.chat_template is not None:
+        template = TEMPLATES_DIR / TEMPLATES.get(parser, "hermes_tools.jinja")
+        state.chat_template = ChatTemplate.for_tokenizer(state.tokenizer, str(template))
     tool_choice, max_tokens = CASES[case]
+    if case != "cut":
+        max_tokens = _budget(state, parser, max_tokens)
     body = {"model": "m", "messages": CHAT, "tools": TOOLS, "tool_choice": tool_choice,
             "n": SEEDS, "seed": 0, "temperature": 1.0, "max_tokens": max_tokens,
             "stream": stream}
@@ -90,6 +104,15 @@ def _ask(client: TestClient, parser: str, case: str, stream: bool) -> list[dict[
     for choice in choices:
         choice["content"] = choice["content"] or None
     return choices
+
+
+def _budget(state: Any, parser: str, max_tokens: int) -> int:
+    """``max_tokens`` past what the format's markers may take, one token a byte at most (the
+    model may spell a special token out byte by byte), within the room the prompt leaves."""
+    markup = sum(len(m.encode()) for m in get_parser(parser).markers())
+    prompt = state.chat_template.render(CHAT, tools=TOOLS)
+    room = state.context_tokens - len(state.tokenizer.encode(prompt, add_special_tokens=False))
+    return min(max_tokens + markup, room)
 
 
 def _add_delta(choice: dict[str, Any], event: dict[str, Any]) -> None:

@@ -66,6 +66,24 @@ def test_structural_tag_mistral_and_llama():
     assert llama["tags"][0]["begin"] == '{"name": "get_weather", "parameters": '
 
 
+def test_structural_tag_mistral_v11_and_deepseek():
+    v11 = get_parser("mistral_v11").structural_tag(TOOLS, "auto", True)["format"]
+    assert v11["triggers"] == ["[TOOL_CALLS]"] and not v11["stop_after_first"]
+    assert [t["begin"] for t in v11["tags"]] == [f"[TOOL_CALLS]{n}[ARGS]" for n in SCHEMAS]
+    assert v11["excludes"] == ["[ARGS]"]
+    for name, separator in [("deepseek_v3", "\n"), ("deepseek_v31", "")]:
+        auto = get_parser(name).structural_tag(TOOLS, "auto", True)["format"]
+        assert auto["triggers"] == ["<｜tool▁calls▁begin｜>"] and auto["stop_after_first"]
+        (block,) = auto["tags"]
+        assert (block["begin"], block["end"]) == ("<｜tool▁calls▁begin｜>",
+                                                  "<｜tool▁calls▁end｜>")
+        assert block["content"]["separator"] == separator
+        assert "<｜tool▁sep｜>" in auto["excludes"]
+        named = get_parser(name).structural_tag(
+            TOOLS, {"type": "function", "function": {"name": "search"}}, True)["format"]
+        assert named["content"]["stop_after_first"] and len(named["content"]["tags"]) == 1
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_structural_tag_without_constraint(name):
     parser = get_parser(name)
@@ -99,6 +117,15 @@ def test_get_parser_and_default_parser():
     assert default_parser("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
     assert default_parser('ipython ... {"name": function name, "parameters": ...}') == (
         "llama3_json")
+    # as the models' own templates write their calls
+    assert default_parser("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}") == (
+        "qwen3_coder")
+    assert default_parser("{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' }}") == (
+        "mistral_v11")
+    assert default_parser("'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + "
+                          "'\\n' + '```json' + '\\n'") == "deepseek_v3"
+    assert default_parser("'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments") == (
+        "deepseek_v31")
     assert default_parser((TEMPLATES_DIR / "chat_fallback.jinja").read_text()) is None
     assert default_parser(None) is None
 
@@ -128,14 +155,14 @@ class Walker:
 
     def walk(self, compiled: xgr.CompiledGrammar, rng: random.Random, prefix: str = "",
              again: str = "") -> str | None:
-        """One reply, None past 300 tokens. Where the reply could end, ``again`` (up to
-        twice) opens a further call. Free text may end inside a UTF-8 sequence (xgrammar's
-        free text is bytes): U+FFFD, as a detokenizer would show it."""
+        """One reply, None past 500 tokens (XML calls take many). Where the reply could end,
+        ``again`` (up to twice) opens a further call. Free text may end inside a UTF-8
+        sequence (xgrammar's free text is bytes): U+FFFD, as a detokenizer would show it."""
         matcher = xgr.GrammarMatcher(compiled)
         assert matcher.accept_string(prefix)
         bitmask = xgr.allocate_token_bitmask(1, len(self.vocab))
         out, agains = [prefix.encode()], 0
-        for step in range(300):
+        for step in range(500):
             matcher.fill_next_token_bitmask(bitmask)
             bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
             allowed = [int(t) for t in np.flatnonzero(bits[:len(self.vocab)])]
@@ -185,14 +212,18 @@ def walker():
 
 CHOICES = [("auto", True), ("auto", False), ("required", True), ("required", False),
            ({"type": "function", "function": {"name": "get_weather"}}, True)]
-AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": ""}
+# what opens a further call where an "auto" reply may end; "" for formats whose one block of
+# calls ends the reply
+AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": "",
+         "mistral_v11": "[TOOL_CALLS]", "qwen3_coder": "\n<tool_call>", "deepseek_v3": "",
+         "deepseek_v31": ""}
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("choice,parallel", CHOICES)
 def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
     compiler, walker = walker
-    parser = get_parser(name)
+    parser = get_parser(name, TOOLS)
     compiled = compiler.compile_structural_tag(structural_tag_json(
         parser.structural_tag(TOOLS, choice, parallel)))
     rng = random.Random(f"{name}{choice}{parallel}")
@@ -230,7 +261,7 @@ def test_a_named_function_is_called_exactly_once(walker, name):
     """After the one call of a named ``tool_choice`` the grammar ends (parallel calls
     allowed or not): a second call cannot begin, and only a stop token can follow."""
     compiler, walker = walker
-    parser = get_parser(name)
+    parser = get_parser(name, TOOLS)
     named = {"type": "function", "function": {"name": "ping"}}
     compiled = compiler.compile_structural_tag(structural_tag_json(
         parser.structural_tag(TOOLS, named, True)))

@@ -53,6 +53,10 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object"}}
 NAMES = list(PARSERS)
+XML = {"qwen3_coder"}  # arguments as parameter blocks, read back into a JSON object
+JSON_NAMES = [n for n in NAMES if n not in XML]  # arguments as the model's own JSON text
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
 def render_calls(parser: str, calls: list[tuple[str, str]]) -> str:
@@ -62,8 +66,53 @@ def render_calls(parser: str, calls: list[tuple[str, str]]) -> str:
                          "</tool_call>" for n, a in calls)
     if parser == "llama3_json":
         return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {a}}}' for n, a in calls)
-    return "[TOOL_CALLS][" + ", ".join(
-        f'{{"name": {json.dumps(n)}, "arguments": {a}}}' for n, a in calls) + "]"
+    if parser == "mistral":
+        return "[TOOL_CALLS][" + ", ".join(
+            f'{{"name": {json.dumps(n)}, "arguments": {a}}}' for n, a in calls) + "]"
+    if parser == "mistral_v11":
+        return "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in calls)
+    if parser == "qwen3_coder":
+        return "\n".join(f"<tool_call>\n<function={n}>\n{qwen_parameters(a)}</function>\n"
+                         "</tool_call>" for n, a in calls)
+    if parser == "deepseek_v3":
+        return DS_CALLS + "\n".join(f"{DS_CALL}function{DS_SEP}{n}\n```json\n{a}\n```"
+                                    f"{DS_CALL_END}" for n, a in calls) + DS_CALLS_END
+    assert parser == "deepseek_v31", parser
+    return DS_CALLS + "".join(f"{DS_CALL}{n}{DS_SEP}{a}{DS_CALL_END}"
+                              for n, a in calls) + DS_CALLS_END
+
+
+def qwen_parameters(arguments: str) -> str:
+    """An arguments object as Qwen3-Coder's parameter blocks: a string raw, unless it would
+    read as JSON (without a schema to say it is a string), any other value as JSON."""
+    blocks = []
+    for key, value in json.loads(arguments).items():
+        raw = value if isinstance(value, str) and not reads_as_json(value) \
+            else json.dumps(value, ensure_ascii=False)
+        blocks.append(f"<parameter={key}>\n{raw}\n</parameter>\n")
+    return "".join(blocks)
+
+
+def reads_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def arguments_of(parser: str, text: str) -> object:
+    """What a call's arguments say: for XML formats the object (its text is rebuilt), for
+    the others the text as the model wrote it."""
+    return json.loads(text) if parser in XML else text.strip()
+
+
+def call_end(parser: str, text: str) -> int:
+    """Where the last call in ``text`` is complete: after its arguments object, or the
+    marker that ends a call of a format with one."""
+    layout = PARSERS[parser].syntax.call
+    end = getattr(layout, "end", "").split()
+    return text.rindex(end[-1]) + len(end[-1]) if end else text.rindex("}") + 1
 
 
 def triggers(parser: str) -> list[str]:
@@ -142,8 +191,8 @@ def test_extract_calls_and_content(name):
     text = "Let me look.\n\n" + render_calls(name, [("get_weather", ARGS), ("ping", "{}")])
     reply = get_parser(name).extract(text)
     assert reply.content == "Let me look."
-    assert [(c.name, c.arguments) for c in reply.tool_calls] == [
-        ("get_weather", ARGS), ("ping", "{}")]
+    assert [(c.name, arguments_of(name, c.arguments)) for c in reply.tool_calls] == [
+        ("get_weather", arguments_of(name, ARGS)), ("ping", arguments_of(name, "{}"))]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -161,7 +210,7 @@ def test_only_calls_give_no_content(name):
 
 def test_arguments_are_the_text_as_generated():
     args = '{ "b" :[1,2.5e-3, true,null] ,\n  "a": {"k": "\\u00e9\\"}"} }'
-    for name in NAMES:
+    for name in JSON_NAMES:
         reply = get_parser(name).extract(render_calls(name, [("f", f"  {args}\n")]))
         assert reply.tool_calls[0].arguments == args
         assert json.loads(reply.tool_calls[0].arguments)["a"]["k"] == 'é"}'
@@ -202,6 +251,33 @@ def test_mistral_variants():
     assert parser.extract("[TOOL_CALLS][]") == ParsedReply("[TOOL_CALLS][]", [])
 
 
+def test_mistral_v11_variants():
+    parser = get_parser("mistral_v11")
+    spaced = parser.extract('[TOOL_CALLS] f [ARGS] {"a": 1}\n[TOOL_CALLS]g[ARGS]{}\nDone.')
+    assert [(c.name, c.arguments) for c in spaced.tool_calls] == [("f", '{"a": 1}'),
+                                                                   ("g", "{}")]
+    assert spaced.content == "Done."
+    listed = '[TOOL_CALLS][{"name": "f", "arguments": {}}]'  # the older form is not this one
+    assert parser.extract(listed) == ParsedReply(listed, [])
+
+
+def test_deepseek_variants():
+    v3 = get_parser("deepseek_v3")
+    compact = v3.extract(f'{DS_CALLS}{DS_CALL}function{DS_SEP}f ```json {{"a": 1}}```'
+                         f"{DS_CALL_END}{DS_CALL}function{DS_SEP}g\n```json\n{{}}\n```"
+                         f"{DS_CALL_END}{DS_CALLS_END}\nDone.")
+    assert [(c.name, c.arguments) for c in compact.tool_calls] == [("f", '{"a": 1}'),
+                                                                    ("g", "{}")]
+    assert compact.content == "Done."
+    v31 = render_calls("deepseek_v31", [("f", "{}")])
+    assert get_parser("deepseek_v3").extract(v31) == ParsedReply(v31, [])
+    v3_text = render_calls("deepseek_v3", [("f", "{}")])
+    assert get_parser("deepseek_v31").extract(v3_text) == ParsedReply(v3_text, [])
+    unclosed = get_parser("deepseek_v31").extract(f"Hi{DS_CALLS}{DS_CALL}f{DS_SEP}{{}}"
+                                                 f"{DS_CALL_END} then")
+    assert unclosed.content == "Hithen" and [c.name for c in unclosed.tool_calls] == ["f"]
+
+
 GARBAGE = {
     "hermes": ['<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>',
                "<tool_call>not json</tool_call>", '<tool_call>{"name": "f"}</tool_call>',
@@ -212,11 +288,29 @@ GARBAGE = {
                     '{"name": "f", "parameters": {"a": 01}}'],
     "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": {"a": [1,}}]', "[TOOL_CALLS]{}",
                 '[TOOL_CALLS][{"name": "f", "arguments": {"s": "\x01"}}]'],
+    "mistral_v11": ['[TOOL_CALLS]f[ARGS]{"a": tru}', "[TOOL_CALLS]f {}",
+                    "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS][ARGS]{}"],
+    "qwen3_coder": ["<tool_call>\n<function=f>\n<parameter=a b>\n1\n</parameter>\n"
+                    "</function>\n</tool_call>",
+                    "<tool_call>\n<function=f>\nnot parameters\n</function>\n</tool_call>",
+                    "<tool_call>\n<function f>\n</function>\n</tool_call>",
+                    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+                    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>"],
+    "deepseek_v3": [f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{\"a\": tru}}\n```"
+                    f"{DS_CALL_END}{DS_CALLS_END}",
+                    f"{DS_CALLS}{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}{DS_CALLS_END}",
+                    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```python\n{{}}\n```{DS_CALL_END}"],
+    "deepseek_v31": [f"{DS_CALLS}{DS_CALL}f{DS_SEP}[]{DS_CALL_END}{DS_CALLS_END}",
+                     f"{DS_CALLS}{DS_CALL}f{DS_SEP}{{}}{DS_CALLS_END}",
+                     f"{DS_CALLS}function{DS_SEP}f{DS_CALL_END}{DS_CALLS_END}"],
 }
 
 
 NOT_A_CALL = {"hermes": "<tool_call>not json</tool_call>", "mistral": "[TOOL_CALLS]{}",
-              "llama3_json": '<|python_tag|>brave_search.call(query="x")'}
+              "llama3_json": '<|python_tag|>brave_search.call(query="x")',
+              "mistral_v11": "[TOOL_CALLS]f {}", "qwen3_coder": GARBAGE["qwen3_coder"][1],
+              "deepseek_v3": GARBAGE["deepseek_v3"][1],
+              "deepseek_v31": GARBAGE["deepseek_v31"][2]}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -243,6 +337,12 @@ ARGUMENTS_FIRST = {
     "hermes": '<tool_call>\n{"arguments": {"x": "é😀"}, "name": "f"}\n</tool_call>',
     "llama3_json": '<|python_tag|>{"parameters": {"x": "é😀"}, "name": "f"}',
     "mistral": '[TOOL_CALLS][{"arguments": {"x": "é😀"}, "name": "f"}]',
+    # formats that name the function outside the arguments: a value past the ASCII range
+    "mistral_v11": '[TOOL_CALLS]f[ARGS]{"x": "é😀"}',
+    "qwen3_coder": "<tool_call>\n<function=f>\n<parameter=x>\né😀\n</parameter>\n</function>"
+                   "\n</tool_call>",
+    "deepseek_v3": render_calls("deepseek_v3", [("f", '{"x": "é😀"}')]),
+    "deepseek_v31": render_calls("deepseek_v31", [("f", '{"x": "é😀"}')]),
 }
 
 
@@ -263,14 +363,15 @@ def test_streaming_matches_extract(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_call_arrives_whole_once_its_object_closes(name):
+def test_a_call_arrives_whole_once_it_is_complete(name):
     text = render_calls(name, [("get_weather", ARGS)])
     streamer = get_parser(name).streamer()
     deltas = [streamer.feed(ch).tool_calls for ch in text]
     (at,) = [i for i, items in enumerate(deltas) if items]
     (item,) = deltas[at]
-    assert item["function"] == {"name": "get_weather", "arguments": ARGS}
-    assert text[:at + 1].rstrip().endswith("}")  # the character that closed the object
+    assert item["function"]["name"] == "get_weather"
+    assert arguments_of(name, item["function"]["arguments"]) == arguments_of(name, ARGS)
+    assert at + 1 == call_end(name, text)  # the character that completed the call
 
 
 def test_a_trigger_prefix_is_held_back():
@@ -292,7 +393,10 @@ def test_held_back_text_comes_out_at_the_end():
     """A reply that ends on the start of a trigger: text when it ended of itself, a call
     that never came (dropped) when ``max_tokens`` cut it."""
     for name, tail in [("hermes", " <tool_ca"), ("llama3_json", ' {"na'),
-                       ("mistral", " [TOOL_")]:
+                       ("mistral", " [TOOL_"), ("mistral_v11", " [TOOL_"),
+                       ("qwen3_coder", " <tool_ca"), ("hermes", " </tool_ca"),
+                       ("qwen3_coder", " </param"), ("mistral_v11", " [AR"),
+                       ("deepseek_v3", " <｜tool▁ca"), ("deepseek_v31", " <｜tool▁call▁e")]:
         streamer = get_parser(name).streamer()
         assert streamer.feed("Text" + tail).content == "Text"
         assert streamer.finish().content == tail
@@ -309,16 +413,31 @@ def test_a_cut_off_call_is_dropped(name):
     calls before it stay."""
     whole = render_calls(name, [("f", '{"city": "Paris"}'), ("g", '{"city": "Rome"}')])
     first = render_calls(name, [("f", '{"city": "Paris"}')])
-    second_closes = whole.rindex("}") + 1
+    second_closes = call_end(name, whole)
     for end in range(len(first) + 1, len(whole)):
         reply = assert_streams_like_extract(get_parser(name), "Sure. " + whole[:end], end,
                                             cut=True)
         names = ["f", "g"] if end >= second_closes else ["f"]
         assert reply.content == "Sure." and [c.name for c in reply.tool_calls] == names
-    for end in range(1, first.rindex("}")):
+    for end in range(1, call_end(name, first) - 1):
         reply = assert_streams_like_extract(get_parser(name), "Sure. " + first[:end], end,
                                             cut=True)
         assert reply == ParsedReply("Sure.", []), first[:end]
+
+
+def test_a_reply_cut_inside_a_character_of_a_marker():
+    """The detokenizer ends a reply cut inside a character's UTF-8 bytes with U+FFFD: where
+    that character would continue a marker (``｜`` in ``<｜tool▁sep｜>``), it is the marker's
+    start, cut short, not text."""
+    first = render_calls("deepseek_v31", [("f", "{}")]).removesuffix(DS_CALLS_END)
+    for name, text in [("deepseek_v31", f"Sure. {first}{DS_CALL}f<\ufffd"),
+                       ("deepseek_v3", f"Sure. {DS_CALLS}<\ufffd"),
+                       ("deepseek_v3", "Sure. <\ufffd")]:
+        reply = assert_streams_like_extract(get_parser(name), text, cut=True)
+        assert reply.content == "Sure." and len(reply.tool_calls) == text.count(DS_CALL_END)
+    for text in ["Sure. <\ufffd", "Sure. <\ufffd and on"]:  # not cut: text after all
+        assert get_parser("deepseek_v3").extract(text).content == text
+    assert get_parser("hermes").extract("Sure. <\ufffd", cut=True).content == "Sure. <\ufffd"
 
 
 def test_a_call_broken_after_its_start_is_content():
@@ -346,7 +465,7 @@ TEXT = st.text(alphabet=st.sampled_from(list("ab é😀 \n<>{}[]\":;,_tolcaTOL|"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(NAMES), before=TEXT, calls=CALLS, after=TEXT,
+@given(name=st.sampled_from(JSON_NAMES), before=TEXT, calls=CALLS, after=TEXT,
        seed=st.integers(0, 1000))
 def test_any_reply_streams_like_extract(name, before, calls, after, seed):
     text = before + render_calls(name, calls) + after if calls else before
