@@ -39,7 +39,7 @@ GGUF_CONVERT = Path(__file__).resolve().parent / "gguf_convert.py"
 # (32 x 2,048 = 65,536), more when the plan's concurrency or sequences need them.
 LLAMA_MIN_SLOTS = 32
 LLAMA_MIN_SLOT_TOKENS = 2048
-LLAMA_QUANTS = ("f32", "q8_0", "q4_0")  # the GGUF weight types the harness can make
+LLAMA_QUANTS = ("f32", "f16", "q8_0", "q4_0")  # the GGUF weight types the harness can make
 # vLLM's environment unless the caller's sets these: a 1 GiB KV cache, a local directory (no hub
 # look-ups) and no usage reports sent anywhere
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -138,7 +138,7 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
                     "sentencepiece (default: $TIDAL_BENCH_LLAMA_CONVERT_PYTHON, else "
                     f"{PEERS_DIR}/convert-venv/bin/python, else this Python)")
     ap.add_argument("--llama-quant", default="f32", choices=list(LLAMA_QUANTS),
-                    help="the GGUF's weight type: f32 and q8_0 by the converter, q4_0 by "
+                    help="the GGUF's weight type: f32, f16 and q8_0 by the converter, q4_0 by "
                     "llama-quantize (beside llama-server) from the f32 file")
     ap.add_argument("--llamacpp-arg", action="append", default=[],
                     help="extra argument for llama-server, after its defaults -np SLOTS -c "

@@ -194,7 +194,8 @@ def run_command(cmd: list[str], limit_s: float, log: Path,
 def wait_settled(url: str, limit_s: float = 900.0) -> float:
     """Seconds until a tidal server has swapped in what it prepared in the background (its
     CPU kernels built, its plans timed: ``kernels`` in ``/get_server_info``), a one-token
-    completion every two seconds giving it the step it swaps at. What a benchmark measures
+    completion every five seconds giving it the step it swaps at (and little noise to the
+    timing). What a benchmark measures
     is then the server as it goes on serving, not its first minute."""
     start = time.monotonic()
     while True:
@@ -209,4 +210,4 @@ def wait_settled(url: str, limit_s: float = 900.0) -> float:
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60):
             pass
-        time.sleep(2.0)
+        time.sleep(5.0)

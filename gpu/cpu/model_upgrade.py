@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 Model = TypeVar("Model")  # what the runner loads: its model and what goes with it
 # Provisional plans are timed again after this many seconds, then twice as long each try.
 RETIME_AFTER_S, RETIME_AT_MOST_S = 30.0, 3600.0
-IDLE_S = 2.0  # no step for this long: the engine is idle, a re-time may start
+IDLE_S = 10.0  # no step for this long: the engine is idle, a re-time may start
 
 
 def needs_background_build() -> bool:
