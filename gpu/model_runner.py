@@ -198,7 +198,8 @@ class ModelRunner:
         rows = self.cpu.stack_rows
         stack = (f"; one-call decode step at {sum(rows[1:])} of 1-{len(rows) - 1} rows"
                  if self.cpu.stack is not None else "")
-        return f"--cpu-kernels {mode} ({built}, {how}): {plans.summary()}{stack}"
+        return (f"--cpu-kernels {mode} ({built}, {how}): {plans.summary()}{stack}"
+                f"{self._upgrades.retime_note() if self._upgrades is not None else ''}")
 
     @property
     def backend(self) -> AttentionBackend:

@@ -167,6 +167,14 @@ class CpuUpgrades(Generic[Model]):
                     "once the engine idles")
         self._retime(forget=list(self.current))
 
+    def retime_note(self) -> str:
+        """For the kernels line: plans to be timed again, and whether that is done."""
+        if not self.retiming or self.pending is None:
+            return ""
+        if self.pending.ready():
+            return "; plans timed again, swapped in at the next step"
+        return "; noisy plans to be timed again once idle"
+
     def cancel(self) -> None:
         if self._wait is not None:
             self._wait.cancelled.set()

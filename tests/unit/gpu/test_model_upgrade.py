@@ -161,6 +161,7 @@ def test_plans_timed_under_load_are_timed_again_when_quiet_and_swapped(monkeypat
     loaded_plans = runner.cpu.plans.plans
     assert any(p.provisional for p in loaded_plans.values())
     assert runner._upgrades.retiming  # it waits for the engine to idle
+    assert runner.kernel_summary().endswith("noisy plans to be timed again once idle")
     # quiet now: the re-time finds the kernels faster, and the model is swapped
     monkeypatch.setattr(selector, "host_timer", _scripted("torch", 0.0))
     runner._upgrades.pending.future.result(timeout=300)
