@@ -62,8 +62,7 @@ class ModelRunner:
         # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
         self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
                                 else self._load_model())
-        self._step_watch = (StepWatch(lambda rows: self.cpu and self.cpu.expected_decode_ms(rows))
-                            if self._upgrades is not None else None)
+        self._step_watch = StepWatch() if self._upgrades is not None else None
         self.sampler = Sampler()
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
@@ -235,6 +234,8 @@ class ModelRunner:
     def _swap_in(self, loaded: LoadedModel) -> None:
         """Between steps: the model upgraded in the background (``gpu/cpu/model_upgrade.py``)."""
         self.model, self.cpu = loaded
+        if self._step_watch is not None:
+            self._step_watch.reset()  # new plans: the steps' new baselines
         kernels = load_cpu_kernels()
         self._decode_inputs = kernels.decode_inputs if kernels is not None else None
         if kernels is not None:  # the step modes were entered before the kernels were there
@@ -243,8 +244,8 @@ class ModelRunner:
                     self.kernel_summary())
 
     def _watched_forward(self, inputs: StepInputs) -> torch.Tensor:
-        """``run_model``, a CPU server's decode steps timed against their plans: steps
-        persistently slower than planned have the plans timed again (``StepWatch``)."""
+        """``run_model``, a CPU server's decode steps timed: steps persistently slower than
+        when the plans came in have the plans timed again (``StepWatch``)."""
         meta = inputs.meta
         if self._step_watch is None or not meta.is_decode_only:
             return self.run_model(inputs.input_ids, inputs.positions, meta)

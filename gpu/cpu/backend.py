@@ -41,18 +41,6 @@ class CpuBackend:
     embedding: nn.Module | None = None  # the model's token embedding, which the stack looks up
     stack_plan: Plan | None = None  # the decode step timed whole, where it was (plan_decode_stack)
 
-    def expected_decode_ms(self, rows: int) -> float | None:
-        """What a decode step of ``rows`` rows took when its plan was timed (at
-        ``DECODE_CONTEXT`` positions), None where it was not timed."""
-        plan = self.stack_plan
-        if plan is None or not plan.timings:
-            return None
-        i = next((i for i, bound in enumerate(plan.bounds) if rows <= bound), None)
-        if i is None:
-            return None
-        choice = plan.pick(rows)
-        return plan.timings[i].get(choice)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor | None:

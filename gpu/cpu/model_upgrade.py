@@ -121,7 +121,8 @@ class CpuUpgrades(Generic[Model]):
         self.last_step = last_step
         self.pending: ModelUpgrade[Model] | None = None
         self.retiming = False  # the pending upgrade re-times provisional plans
-        self.delay = 0.0  # the wait before the next re-time
+        self.delay = 0.0  # the wait before the next re-time of provisional plans
+        self.slow_delay = 0.0  # the wait before the next re-time for slow steps
         self.current: list[Plan] = []  # the plans of the model that serves
         self.waiting: str | None = None  # what the first model waits for: kernels, plans
         self._wait: IdleWait | None = None
@@ -163,9 +164,10 @@ class CpuUpgrades(Generic[Model]):
         once the engine idles (unless an upgrade is on its way already)."""
         if self.pending is not None or selector.mode() != "auto" or not self.current:
             return
-        logger.info("decode steps run slower than their CPU plans said: timing them again "
-                    "once the engine idles")
-        self._retime(forget=list(self.current))
+        logger.info("decode steps run persistently slower than when their CPU plans came in: "
+                    "timing them again once the engine idles")
+        self.slow_delay = next_delay(self.slow_delay)  # never reset: each time waits longer
+        self._retime(forget=list(self.current), delay=self.slow_delay)
 
     def retime_note(self) -> str:
         """For the kernels line: plans to be timed again, and whether that is done."""
@@ -200,14 +202,15 @@ class CpuUpgrades(Generic[Model]):
             return
         self._retime()
 
-    def _retime(self, forget: list[Plan] | None = None) -> None:
-        """Time the provisional plans (and ``forget``'s) again, after the next delay and
-        once the engine idles."""
-        self.delay = next_delay(self.delay)
-        self._wait = IdleWait(self.delay, self.last_step)
+    def _retime(self, forget: list[Plan] | None = None, delay: float | None = None) -> None:
+        """Time the provisional plans (and ``forget``'s) again, after the next delay (or
+        ``delay``) and once the engine idles."""
+        if delay is None:
+            self.delay = delay = next_delay(self.delay)
+        self._wait = IdleWait(delay, self.last_step)
         self.retiming = True
         self.pending = ModelUpgrade(lambda: self._timed(retime=True, forget=forget),
-                                    f"its CPU plans wait {self.delay:.0f} s and an idle engine "
+                                    f"its CPU plans wait {delay:.0f} s and an idle engine "
                                     "to be timed again in the background", wait=self._wait)
 
 

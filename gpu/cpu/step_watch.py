@@ -1,42 +1,55 @@
-"""Live decode steps held against their plans: where the steps a server runs are persistently
-slower than its plans said they would be, the plans no longer describe the host (a co-tenant
-came, the clock dropped, a candidate drifted), and they are timed again (``model_upgrade``).
+"""Live decode steps watched for drift: where the steps a server runs become persistently
+slower than the same steps ran when its plans came in (a co-tenant came, the clock dropped, a
+candidate drifted), the plans no longer describe the host, and they are timed again
+(``model_upgrade``).
 
-Only decode-only steps are compared, and only where their mean context is near the one the plan
-was timed at (``op_plans.DECODE_CONTEXT``): the one-call decode step's plan times whole steps
-of so many rows there (``CpuBackend.expected_decode_ms``).
+Steps are compared with steps: decode-only steps in buckets of their row count and their mean
+context (powers of two), each bucket's first window of ``WINDOW`` steps after the plans came
+in its baseline. A plan's own timings are no baseline for whole steps: they read one layer's
+KV cache in every layer (``op_plans.plan_decode_stack``), which stays in the CPU's caches as
+a real step's does not.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+SLOW = 1.5  # a window's median this many times its bucket's baseline: a slow window
+WINDOW = 32  # decode steps a window
+PERSIST = 4  # slow windows in a row that make the steps persistently slow
 
-from tidal.gpu.cpu.op_plans import DECODE_CONTEXT
 
-SLOW = 1.5  # a window's median step this many times its planned time: slower than planned
-WINDOW = 64  # decode steps compared at a time
+def bucket(n: float) -> int:
+    """The power of two at or above ``n``."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
 
 
 class StepWatch:
-    """Decode steps' times over their planned times, a window at a time."""
+    """Decode steps' times, a window at a time, per (rows, context) bucket."""
 
-    def __init__(self, expected_ms: Callable[[int], float | None]) -> None:
-        self.expected_ms = expected_ms
-        self.ratios: deque[float] = deque(maxlen=WINDOW)
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """New plans: new baselines."""
+        self.windows: dict[tuple[int, int], list[float]] = {}
+        self.baseline: dict[tuple[int, int], float] = {}
+        self.slow: dict[tuple[int, int], int] = {}
 
     def observe(self, rows: int, mean_context: float, ms: float) -> bool:
-        """Record one decode step; True once a full window ran slower than planned (the
-        window then starts afresh)."""
-        if mean_context > 2 * DECODE_CONTEXT:
+        """Record one decode step; True once its bucket ran ``PERSIST`` slow windows in a
+        row (then every bucket starts afresh)."""
+        key = (bucket(rows), bucket(mean_context))
+        window = self.windows.setdefault(key, [])
+        window.append(ms)
+        if len(window) < WINDOW:
             return False
-        expected = self.expected_ms(rows)
-        if not expected:
+        median = sorted(window)[WINDOW // 2]
+        window.clear()
+        base = self.baseline.setdefault(key, median)
+        self.slow[key] = self.slow.get(key, 0) + 1 if median > SLOW * base else 0
+        if self.slow[key] < PERSIST:
             return False
-        self.ratios.append(ms / expected)
-        if len(self.ratios) < WINDOW:
-            return False
-        slow = sorted(self.ratios)[WINDOW // 2] > SLOW
-        if slow:
-            self.ratios.clear()
-        return slow
+        self.reset()
+        return True
