@@ -15,9 +15,11 @@ A swap reads the model's weights again, so for that moment the process holds two
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
@@ -86,12 +88,14 @@ class ModelUpgrade(Generic[Model]):
 
 class IdleWait:
     """Waits for a re-time: ``delay`` seconds, then until no step has run for ``IDLE_S``.
-    ``last_step`` gives the ``time.monotonic()`` of the latest step."""
+    ``last_step`` gives the ``time.monotonic()`` of the latest step. Every wait is
+    cancelled when the interpreter exits: a re-time must not start loading a model then."""
 
     def __init__(self, delay: float, last_step: Callable[[], float]) -> None:
         self.delay = delay
         self.last_step = last_step
         self.cancelled = threading.Event()
+        _WAITS.add(self)
 
     def __call__(self) -> bool:
         if self.cancelled.wait(self.delay):
@@ -100,6 +104,15 @@ class IdleWait:
             if self.cancelled.wait(IDLE_S / 4):
                 return False
         return True
+
+
+_WAITS: weakref.WeakSet[IdleWait] = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_waits() -> None:
+    for wait in list(_WAITS):
+        wait.cancelled.set()
 
 
 def next_delay(delay: float) -> float:
@@ -124,6 +137,9 @@ class CpuUpgrades(Generic[Model]):
         self.delay = 0.0  # the wait before the next re-time of provisional plans
         self.slow_delay = 0.0  # the wait before the next re-time for slow steps
         self.current: list[Plan] = []  # the plans of the model that serves
+        # the plans (by identity) of a model loaded by a re-time whose noisy timings the
+        # re-time confirmed: the cache holds them confirmed, the model as they were timed
+        self._confirmed: set[int] = set()
         self.waiting: str | None = None  # what the first model waits for: kernels, plans
         self._wait: IdleWait | None = None
 
@@ -183,11 +199,12 @@ class CpuUpgrades(Generic[Model]):
 
     def _timed(self, retime: bool = False, forget: list[Plan] | None = None) -> Model:
         cache = PlanCache()
-        if retime:
-            cache.forget_provisional()
+        noisy = cache.forget_provisional() if retime else {}
         if forget:
             cache.forget(forget)
         model = self.load(True, cache)
+        # a noisy plan timed again to the same choices stands: it is not timed a third time
+        self._confirmed |= {id(plan) for plan in cache.confirm(noisy)}
         plans = self.plans(model)
         if plans is not None:
             cache.record_model(self.signature, plans)
@@ -197,7 +214,8 @@ class CpuUpgrades(Generic[Model]):
     def _after(self, model: Model) -> None:
         """Schedule a re-time where ``model``'s plans were timed on a noisy host."""
         plans = self.current = self.plans(model) or []
-        if selector.mode() != "auto" or not any(p.provisional for p in plans):
+        noisy = [p for p in plans if p.provisional and id(p) not in self._confirmed]
+        if selector.mode() != "auto" or not noisy:
             self.delay = 0.0
             return
         self._retime()

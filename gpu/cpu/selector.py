@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -99,6 +99,7 @@ class Plan:
     noise: float = 0.0  # timing_noise while it was timed
     load: float | None = None  # the host's load per core when it was timed
     made_at: float = 0.0  # when (seconds since the epoch); 0 for a plan not timed
+    confirmed: bool = False  # noisy, but timed again to the same choices: it stands
     _table: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,19 +146,24 @@ class Plan:
 
     @property
     def provisional(self) -> bool:
-        """Timed while the host was too noisy to trust: to be timed again when quiet."""
-        return self.noise > NOISY
+        """Timed while the host was too noisy to trust: to be timed again when quiet
+        (unless a second timing made the same choices)."""
+        return self.noise > NOISY and not self.confirmed
+
+    def same_choices(self, other: Plan) -> bool:
+        return (self.bounds, self.choices) == (other.bounds, other.choices)
 
     def to_json(self) -> dict:
         return {"bounds": list(self.bounds), "choices": list(self.choices),
                 "timings": list(self.timings), "noise": self.noise, "load": self.load,
-                "made_at": self.made_at}
+                "made_at": self.made_at, "confirmed": self.confirmed}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         return cls(tuple(data["bounds"]), tuple(data["choices"]),
                    tuple(data.get("timings", ())), float(data.get("noise", 0.0)),
-                   data.get("load"), float(data.get("made_at", 0.0)))
+                   data.get("load"), float(data.get("made_at", 0.0)),
+                   bool(data.get("confirmed", False)))
 
 
 def best_ms(fn: Callable[[], object], calls: int) -> float:
@@ -321,17 +327,29 @@ class PlanCache:
 
     def forget(self, plans: list[Plan]) -> list[str]:
         """Drop the plans equal to any of ``plans``, so they are timed again; their keys."""
-        dropped = [k for k, plan in self.plans.items() if plan in plans]
+        dropped = [k for k, plan in self.plans.items()
+                   if replace(plan, confirmed=False) in plans or plan in plans]
         for key in dropped:
             del self.plans[key]
         return dropped
 
-    def forget_provisional(self) -> list[str]:
-        """Drop the plans timed on a noisy host, so they are timed again; their keys."""
-        dropped = [k for k, plan in self.plans.items() if plan.provisional]
+    def forget_provisional(self) -> dict[str, Plan]:
+        """Drop the plans timed on a noisy host, so they are timed again; them, by key."""
+        dropped = {k: plan for k, plan in self.plans.items() if plan.provisional}
         for key in dropped:
             del self.plans[key]
         return dropped
+
+    def confirm(self, before: dict[str, Plan]) -> list[Plan]:
+        """The plans timed again that made the same choices as ``before``'s: marked
+        confirmed (no longer provisional) here; the plans as they were timed again."""
+        same = [k for k, old in before.items()
+                if k in self.plans and self.plans[k].same_choices(old)]
+        timed_again = [self.plans[k] for k in same]
+        for key in same:
+            self.plans[key] = replace(self.plans[key], confirmed=True)
+        self._changed = self._changed or bool(same)
+        return timed_again
 
     def get_or_choose(self, key: str, buckets: list[int],
                       candidates: Callable[[int], dict[str, Callable[[], object]]]) -> Plan:

@@ -46,6 +46,7 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     monkeypatch.setattr(model_upgrade, "is_built", lambda: False)
     config = EngineConfig(model=DEFAULT_MODEL, max_model_len=128, cpu_kernels="auto")
     engine = EngineCore(config)
+    _ENGINES.append(engine)
     runner = engine.executor.runner
     assert kernels.load_cpu_kernels() is None  # torch's paths meanwhile
     first_model = runner.model
@@ -103,9 +104,22 @@ def test_a_build_lock_left_by_a_dead_builder_is_cleared(monkeypatch, tmp_path) -
 
 
 # -- plans timed in the background, and timed again once the host is quiet --------------------
+_ENGINES: list[EngineCore] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_engines():
+    """No engine's background re-time outlives its test."""
+    yield
+    while _ENGINES:
+        _ENGINES.pop().shutdown()
+
+
 def _engine(max_model_len: int = 96) -> EngineCore:
-    return EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=max_model_len,
-                                   cpu_kernels="auto", max_num_seqs=4))
+    engine = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=max_model_len,
+                                     cpu_kernels="auto", max_num_seqs=4))
+    _ENGINES.append(engine)
+    return engine
 
 
 def _scripted(slower: str, noise: float):
@@ -149,7 +163,8 @@ def test_a_new_model_serves_on_defaults_while_its_plans_are_timed(monkeypatch, t
 def test_plans_timed_under_load_are_timed_again_when_quiet_and_swapped(monkeypatch, tmp_path):
     monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(selector, "_mode", None)
-    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
+    # long enough for the quiet timer below to be in place before the re-time starts
+    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 3.0)
     monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
     # a co-tenant while the first plans are timed: torch's paths look fastest, and noisy
     monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))
@@ -210,8 +225,8 @@ def test_steps_slower_than_when_the_plans_came_in_have_them_timed_again(monkeypa
     assert runner._upgrades.pending is None
     run_model = runner.run_model
 
-    def co_tenant(*args):  # every step now takes 20 ms longer
-        time.sleep(0.02)
+    def co_tenant(*args):  # every step now takes 100 ms longer
+        time.sleep(0.1)
         return run_model(*args)
 
     monkeypatch.setattr(runner, "run_model", co_tenant)
@@ -222,3 +237,28 @@ def test_steps_slower_than_when_the_plans_came_in_have_them_timed_again(monkeypa
     after = _greedy(engine, prompt, 24)
     assert runner.cpu.plans.plans != planned  # swapped for the plans timed again
     assert after == tokens and tokens[:8] == before
+
+
+def test_noisy_plans_timed_again_to_the_same_choices_stand(monkeypatch, tmp_path) -> None:
+    """A host that stays noisy: the second timing makes the same choices, so the plans stand
+    (confirmed, in this process and in the cache) instead of being timed again and again."""
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(selector, "_mode", None)
+    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
+    monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
+    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))  # noisy, always
+    engine = _engine()
+    runner = engine.executor.runner
+    runner._upgrades.pending.future.result(timeout=300)
+    _greedy(engine, list(range(5, 25)), 3)
+    assert runner._upgrades.retiming
+    first = runner.model
+    runner._upgrades.pending.future.result(timeout=300)
+    _greedy(engine, list(range(5, 25)), 3)
+    assert runner.model is first  # the same choices: nothing swapped
+    assert runner._upgrades.pending is None  # and nothing more to time
+    cache = selector.PlanCache()
+    noisy = [p for p in cache.plans.values() if p.noise > selector.NOISY]
+    assert noisy and all(p.confirmed and not p.provisional for p in noisy)
+    again = _engine().executor.runner
+    assert again._upgrades.pending is None  # the next start trusts them
