@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from tidal.core.lifecycle import RateLimitedWarning
 from tidal.core.outputs import TokenLogprobs
 from tidal.core.request import Request, RequestStatus
 from tidal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tidal.core.service_counters import ServiceCounters
 from tidal.core.waiting_queue import FairQueue
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class SchedulerConfig:
     # forward: a chunk of n tokens after c cached ones is charged n + sum(c + i) / this, over
     # i = 1..n. 0: charged n (decode rows always are).
     attention_cost_context: int = 0
+    # How far (in tokens) a client may run ahead of the least-served client with work and
+    # still share its steps (core/service_counters.py); 0: four full decode steps.
+    client_burst_tokens: int = 0
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Scheduler:
         self._grammar_failures: list[Request] = []  # finished since the last take
         self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
         self._preemption_warning = RateLimitedWarning(logger)
+        self.service = ServiceCounters(config.client_burst_tokens or 4 * config.max_num_seqs)
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> str | None:
@@ -140,10 +145,39 @@ class Scheduler:
         share = self._fair_share()
         self._make_room_for_waiting_clients(share, preempted)
         fairness_preemptions = len(preempted)
+        allowed = self._step_filter(share)
+        budget = self._schedule_running(budget, allowed, num_scheduled, new_block_ids, preempted)
+        if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
+            budget = self._admit_waiting(budget, num_scheduled, new, share, allowed)
+        if allowed is not None:
+            if not num_scheduled:  # those allowed could not run (no slot, say): the rest may
+                self._schedule_running(budget, None, num_scheduled, new_block_ids, preempted)
+            for req_id, n in num_scheduled.items():
+                self.service.charge(self.requests[req_id].client, n)
 
+        output = SchedulerOutput(
+            scheduled_new_reqs=new, new_block_ids=new_block_ids,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            structured_req_ids=self._constrained_sampling(num_scheduled),
+        )
+        self._finished_ids = set()
+        return output
+
+    def _schedule_running(self, budget: int, allowed: Callable[[str], bool] | None,
+                          num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                          preempted: list[Request]) -> int:
+        """Schedule the running requests in order (those of ``allowed`` clients) while the
+        budget lasts, preempting the latest arrivals where the KV cache runs out; returns the
+        budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if allowed is not None and not allowed(request.client):
+                i += 1  # ahead of the client furthest behind: sits this step out
+                continue
             if request.num_output_placeholders:
                 wanted = self._num_new_tokens_in_flight(request)
             else:
@@ -164,20 +198,7 @@ class Scheduler:
             self._schedule_tokens(request, n, num_scheduled)
             budget -= cost
             i += 1
-
-        if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
-            budget = self._admit_waiting(budget, num_scheduled, new, share)
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new, new_block_ids=new_block_ids,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            structured_req_ids=self._constrained_sampling(num_scheduled),
-        )
-        self._finished_ids = set()
-        return output
+        return budget
 
     def _fair_share(self) -> int | None:
         """The batch slots each client may hold while several have requests running or
@@ -186,6 +207,18 @@ class Scheduler:
         if len(clients) <= 1:
             return None
         return max(1, self.config.max_num_seqs // len(clients))
+
+    def _step_filter(self, share: int | None) -> Callable[[str], bool] | None:
+        """Which clients run this step (``ServiceCounters``); None: all of them."""
+        if share is None:  # one client with work, or none: kept as the one to start behind
+            alone = self.running[0].client if self.running else next(iter(self.waiting.clients),
+                                                                     None)
+            return self.service.step_filter({} if alone is None else {alone: 0})
+        demand = Counter(r.client for r in self.running)
+        if len(self.running) < self.config.max_num_seqs:  # a waiting client can be admitted
+            for client in self.waiting.clients:
+                demand[client] += 1
+        return self.service.step_filter(demand)
 
     def _make_room_for_waiting_clients(self, share: int | None,
                                        preempted: list[Request]) -> None:
@@ -286,13 +319,14 @@ class Scheduler:
                                       request.request_id)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       new: list[NewRequestData], share: int | None) -> int:
+                       new: list[NewRequestData], share: int | None,
+                       allowed: Callable[[str], bool] | None = None) -> int:
         """Admit waiting requests in order (``FairQueue``: resumed ones first, then clients
         in turn), skipping clients at their ``share`` of the batch; those whose grammar is
         still compiling keep their place without holding up the ones behind them."""
         compiling: list[Request] = []
         try:
-            return self._admit(budget, num_scheduled, new, compiling, share)
+            return self._admit(budget, num_scheduled, new, compiling, share, allowed)
         finally:
             self.waiting.putback(compiling)
 
@@ -313,11 +347,13 @@ class Scheduler:
         return False
 
     def _admit(self, budget: int, num_scheduled: dict[str, int], new: list[NewRequestData],
-               compiling: list[Request], share: int | None) -> int:
+               compiling: list[Request], share: int | None,
+               allowed: Callable[[str], bool] | None) -> int:
         counts = Counter(r.client for r in self.running) if share is not None else Counter()
 
         def below_share(client: str) -> bool:
-            return share is None or counts[client] < share
+            return share is None or (counts[client] < share
+                                     and (allowed is None or allowed(client)))
 
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.first(below_share)
