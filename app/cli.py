@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         KV_CACHE_DTYPES,
         QUANTIZATION_GROUP_SIZES,
         QUANTIZATIONS,
+        SCHEDULING_POLICIES,
         EngineConfig,
     )
 
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine = serve.add_argument_group("engine and scheduler")
     engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
                         help="most sequences in one batch")
+    engine.add_argument("--scheduling-policy", default=defaults.scheduling_policy,
+                        choices=SCHEDULING_POLICIES,
+                        help="'fcfs': first come, first served, clients in turn; 'priority': "
+                        "each request's priority field, the lowest first, preempting running "
+                        "requests it outranks")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                         help="most tokens (prefill chunks + decodes) in one step (default: 192 "
                         "on CPU, 2048 on GPU)")

@@ -110,7 +110,7 @@ async def prepare_off_loop(state: ServerState, arrived: float,
     body, prepared = await loop.run_in_executor(state.prepare_pool, work)
     timeout = prepared.timeout  # type: ignore[attr-defined]
     prepared.arrival = Arrival(arrived, time.monotonic(), timeout,  # type: ignore[attr-defined]
-                               client_of(body))
+                               client_of(body), prepared.priority)  # type: ignore[attr-defined]
     check_engine(state)
     await check_grammar(state, prepared.params, prepared.arrival)  # type: ignore[attr-defined]
     return prepared

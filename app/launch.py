@@ -50,7 +50,8 @@ def serve(args: argparse.Namespace) -> int:
             node_rank=args.node_rank, distributed_init_method=args.distributed_init_method,
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammar_compile_workers=args.grammar_compile_workers,
-            grammar_cache_bytes=args.grammar_cache_bytes)
+            grammar_cache_bytes=args.grammar_cache_bytes,
+            scheduling_policy=args.scheduling_policy)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)
         return 2
@@ -82,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
         max_request_tokens=args.max_request_tokens, max_tools=args.max_tools,
         max_waiting_seqs=args.max_waiting_seqs,
         max_waiting_seqs_per_client=args.max_waiting_seqs_per_client,
-        fair_share_by=args.fair_share_by)
+        fair_share_by=args.fair_share_by, scheduling_policy=args.scheduling_policy)
     return run_event_loop(_serve(config, settings, tracer))
 
 

@@ -73,6 +73,7 @@ class PreparedRequest:
     tool_use: ToolUse | None = None  # the tools offered, and the parser of the reply's calls
     reasoning: ReasoningFormat | None = None  # where the reply's thinking ends, if it thinks
     timeout: float | None = None  # seconds it may wait and run: its own, or the server's
+    priority: int = 0  # under the priority scheduling policy, the lower the sooner
     arrival: Arrival | None = None  # stamped by ``handling.prepare_off_loop``
 
 
@@ -96,6 +97,7 @@ class PreparedCompletion:
     logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     timeout: float | None = None
+    priority: int = 0
     arrival: Arrival | None = None
 
 
@@ -161,6 +163,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
         dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state),
+        priority=request_priority(req, state),
         reasoning=reasoning)
 
 
@@ -206,7 +209,8 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     return PreparedCompletion(
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
-        logprobs=req.logprobs, timeout=request_timeout(req, state))
+        logprobs=req.logprobs, timeout=request_timeout(req, state),
+        priority=request_priority(req, state))
 
 
 def check_request_tokens(state: ServerState, prompt_lengths: list[int],
@@ -230,6 +234,14 @@ def request_timeout(req: SamplingFields, state: ServerState) -> float | None:
     """The request's ``timeout``, capped by the server's ``--request-timeout``."""
     limits = [t for t in (req.timeout, state.settings.request_timeout) if t is not None]
     return min(limits) if limits else None
+
+
+def request_priority(req: SamplingFields, state: ServerState) -> int:
+    """The request's ``priority``: 0 unless the engine schedules by priority."""
+    if req.priority and state.settings.scheduling_policy != "priority":
+        raise bad_request("priority is set but this server schedules first come, first served; "
+                          "start it with --scheduling-policy priority", "priority")
+    return req.priority
 
 
 def check_model(model: str, state: ServerState) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
                    "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "timeout",
-                   "user", "structured_outputs", "chat_template_kwargs")
+                   "user", "structured_outputs", "chat_template_kwargs", "priority")
 # A chat field's name (or its start) -> the Responses field it came from
 RENAMED = (("max_completion_tokens", "max_output_tokens"),
            ("response_format.json_schema.schema", "text.format.schema"),

@@ -57,6 +57,8 @@ class SamplingFields(_Model):
     # seconds the request may wait and run, from its arrival (the server's own limit, if
     # lower, wins)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # under --scheduling-policy priority: the lower, the sooner (vLLM's field)
+    priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -58,6 +58,7 @@ class ServerSettings:
     max_waiting_seqs: int = 512  # sequences waiting past a full batch before 429
     max_waiting_seqs_per_client: int | None = None  # one client's share; None: half
     fair_share_by: str = "address"  # who a client is: address, api-key, user or none
+    scheduling_policy: str = "fcfs"  # the engine's: a request's priority needs "priority"
     # the Responses API's stored responses (app/response_store.py): the oldest go past either
     response_store_entries: int = DEFAULT_RESPONSE_STORE_ENTRIES
     response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES

@@ -31,6 +31,9 @@ KV_CACHE_DTYPES = ("auto", "int8")  # kv_cache_dtype's values
 DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face model directory, or a GGUF file
@@ -74,8 +77,14 @@ class EngineConfig:
     grammar_compile_workers: int = 4
     grammar_compile_timeout: float | None = 15.0
     grammar_cache_bytes: int = 256 << 20
+    # "fcfs" (first come, first served, clients in turn) or "priority" (each request's
+    # ``priority``, the lowest first; a request preempts running ones it outranks)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         if not (is_gguf_file(self.model) or (Path(self.model) / "config.json").is_file()):
             raise ValueError(f"model must be a Hugging Face model directory with a config.json "
                              f"or a .gguf file; {self.model!r} is neither")

@@ -76,7 +76,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             async_scheduling=bool(config.async_scheduling),
-            attention_cost_context=executor.attention_cost_context), self.kv, self.structured)
+            attention_cost_context=executor.attention_cost_context,
+            policy=config.scheduling_policy), self.kv, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
         executor.profiler = self.profiler
@@ -109,6 +110,9 @@ class EngineCore:
         prompt_token_ids = check_token_ids(prompt_token_ids, self.vocab_size, "prompt token id")
         check_token_ids(list(params.logit_bias or {}), self.vocab_size, "logit_bias token id")
         arrival = arrival or Arrival()
+        if arrival.priority and not self.scheduler.by_priority:
+            raise ValueError("priority needs the priority scheduling policy "
+                             "(--scheduling-policy priority); this engine's is fcfs")
         children = [self._child(request_id, i, list(prompt_token_ids), params, arrival)
                     for i in range(params.n)]
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids),
@@ -135,7 +139,8 @@ class EngineCore:
         child_id = request_id if params.n == 1 else f"{request_id}-{index}"
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         request = Request(child_id, prompt_token_ids, params.clone(**changes), eos_token_id=eos,
-                          arrival_time=arrival.time, client=arrival.client)
+                          arrival_time=arrival.time, client=arrival.client,
+                          priority=arrival.priority)
         request.times.tokenized = arrival.tokenized
         return request
 

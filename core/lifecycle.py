@@ -20,13 +20,14 @@ TIMEOUT = "timeout"
 @dataclass(frozen=True, slots=True)
 class Arrival:
     """When a request reached the server and its prompt was ready (``time.monotonic``), how
-    long it may wait and run from its arrival (None: no limit), and who sent it (the
-    scheduler's fairness between clients; "" for all alike)."""
+    long it may wait and run from its arrival (None: no limit), who sent it (the scheduler's
+    fairness between clients; "" for all alike) and its priority."""
 
     time: float = field(default_factory=time.monotonic)
     tokenized: float | None = None
     timeout: float | None = None
     client: str = ""
+    priority: int = 0  # under --scheduling-policy priority: the lower, the sooner
 
     @property
     def deadline(self) -> float | None:

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tidal.core.chat_messages import content_text
 from tidal.core.config import EngineConfig
 from tidal.core.engine_core import EngineCore
+from tidal.core.lifecycle import Arrival
 from tidal.core.outputs import RequestOutput
 from tidal.core.sampling_params import SamplingParams
 
@@ -39,17 +40,22 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order. A prompt is a string or a list
-        of token ids; ``params`` is one for all prompts or one per prompt."""
+        of token ids; ``params`` is one for all prompts or one per prompt; ``priority`` one
+        per prompt (the lower, the sooner), with ``scheduling_policy="priority"``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params_list = self._params_per_prompt(params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, prompt_params in zip(prompts, params_list):
-                ids.append(self._add(prompt, prompt_params))
+            for prompt, prompt_params, rank in zip(prompts, params_list, priorities):
+                ids.append(self._add(prompt, prompt_params, rank))
         except Exception:
             self.engine.abort_requests(ids)  # none left queued for a later call to run
             raise
@@ -80,14 +86,15 @@ class LLM:
             raise ValueError("params must be a SamplingParams or a list of them, one per prompt")
         return list(params)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self.engine.add_request(request_id, token_ids, params, prompt=text)
+        self.engine.add_request(request_id, token_ids, params, prompt=text,
+                                arrival=Arrival(priority=priority))
         return request_id
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -65,6 +65,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     client: str = ""  # who sent it: the scheduler takes waiting requests round-robin by client
+    priority: int = 0  # under the priority policy, the lower the sooner (vLLM's meaning)
     times: RequestTimes = field(init=False, repr=False)  # its lifecycle, stamped as it goes
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ ms at the prompt's start and about 70 ms at its end, when charged by tokens alon
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -23,8 +24,9 @@ from tidal.core.lifecycle import RateLimitedWarning
 from tidal.core.outputs import TokenLogprobs
 from tidal.core.request import Request, RequestStatus
 from tidal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tidal.core.scheduler_sharing import BatchSharing, rank
 from tidal.core.service_counters import ServiceCounters
-from tidal.core.waiting_queue import FairQueue
+from tidal.core.waiting_queue import FairQueue, PriorityQueue
 
 if TYPE_CHECKING:
     from tidal.core.structured_output.manager import StructuredOutputManager
@@ -45,6 +47,9 @@ class SchedulerConfig:
     # How far (in tokens) a client may run ahead of the least-served client with work and
     # still share its steps (core/service_counters.py); 0: four full decode steps.
     client_burst_tokens: int = 0
+    # "fcfs": first come, first served (by client in turn); "priority": the lowest
+    # ``Request.priority`` first, preempting a running request it outranks for its place
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -57,14 +62,16 @@ class RequestUpdate:
     finished: bool
 
 
-class Scheduler:
+class Scheduler(BatchSharing):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  structured: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv = kv
         self.structured = structured
         self.requests: dict[str, Request] = {}
-        self.waiting = FairQueue()
+        self.by_priority = config.policy == "priority"
+        self.waiting: FairQueue | PriorityQueue = (PriorityQueue() if self.by_priority
+                                                   else FairQueue())
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
@@ -144,8 +151,11 @@ class Scheduler:
         self._now = time.monotonic()
         share = self._fair_share()
         self._make_room_for_waiting_clients(share, preempted)
+        if self.by_priority:
+            self._make_room_for_priority(budget, preempted)
         fairness_preemptions = len(preempted)
-        allowed = self._step_filter(share)
+        # under the priority policy the order is the priorities' (no step is sat out)
+        allowed = None if self.by_priority else self._step_filter(share)
         budget = self._schedule_running(budget, allowed, num_scheduled, new_block_ids, preempted)
         if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
             budget = self._admit_waiting(budget, num_scheduled, new, share, allowed)
@@ -199,49 +209,6 @@ class Scheduler:
             budget -= cost
             i += 1
         return budget
-
-    def _fair_share(self) -> int | None:
-        """The batch slots each client may hold while several have requests running or
-        waiting (None with one client: it may take them all)."""
-        clients = {r.client for r in self.running}.union(self.waiting.clients)
-        if len(clients) <= 1:
-            return None
-        return max(1, self.config.max_num_seqs // len(clients))
-
-    def _step_filter(self, share: int | None) -> Callable[[str], bool] | None:
-        """Which clients run this step (``ServiceCounters``); None: all of them."""
-        if share is None:  # one client with work, or none: kept as the one to start behind
-            alone = self.running[0].client if self.running else next(iter(self.waiting.clients),
-                                                                     None)
-            return self.service.step_filter({} if alone is None else {alone: 0})
-        demand = Counter(r.client for r in self.running)
-        if len(self.running) < self.config.max_num_seqs:  # a waiting client can be admitted
-            for client in self.waiting.clients:
-                demand[client] += 1
-        return self.service.step_filter(demand)
-
-    def _make_room_for_waiting_clients(self, share: int | None,
-                                       preempted: list[Request]) -> None:
-        """With the batch full, each waiting client below its fair share of the slots takes
-        one from the client most above it: that client's latest request is preempted (its
-        KV recomputed, or found in the prefix cache, when it resumes). One client's flood of
-        sequences then delays another client's request by a step, not by the flood's whole
-        generation."""
-        if share is None or len(self.running) < self.config.max_num_seqs:
-            return
-        counts = Counter(r.client for r in self.running)
-        for client in self.waiting.clients:
-            if counts[client] >= share:
-                continue
-            greedy, most = counts.most_common(1)[0]
-            if most <= share:
-                return
-            victim = next(r for r in reversed(self.running) if r.client == greedy)
-            self.running.remove(victim)
-            self._preempt(victim)
-            preempted.append(victim)
-            counts[greedy] -= 1
-            counts[client] += 1  # the slot it is about to take
 
     def _schedule_tokens(self, request: Request, n: int, num_scheduled: dict[str, int]) -> None:
         """Count ``n`` tokens of ``request`` as computed by this step."""
@@ -382,7 +349,10 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            self.running.append(request)
+            if self.by_priority:  # the worst priority last, the latest arrival among equals
+                bisect.insort_right(self.running, request, key=rank)
+            else:
+                self.running.append(request)
             new.append(NewRequestData(
                 req_id=request.request_id, token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -453,3 +423,4 @@ class Scheduler:
             self.structured.remove(request.request_id)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+

@@ -1,9 +1,11 @@
 """The scheduler's waiting queue: requests that wait for a place in the batch, taken in turn by
-client so that no client's backlog starves another's."""
+client so that no client's backlog starves another's; under the ``priority`` policy, one such
+queue per priority level, the lowest value first."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import bisect
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 
 from tidal.core.request import Request, RequestStatus
@@ -75,6 +77,16 @@ class FairQueue:
     def appendleft(self, request: Request) -> None:
         self._front.appendleft(request)
         self._len += 1
+
+    def resume(self, request: Request) -> None:
+        """A preempted request, among the resumed ones in order of arrival."""
+        keys = [r.arrival_time for r in self._front]
+        self._front.insert(bisect.bisect_right(keys, request.arrival_time), request)
+        self._len += 1
+
+    def lane_sizes(self) -> Counter[str]:
+        """Waiting requests per client (resumed ones not counted by client)."""
+        return Counter({client: len(lane) for client, lane in self._lanes.items()})
 
     def putback(self, requests: list[Request]) -> None:
         """Requests taken off the head (in taking order) put back at the front of their
@@ -148,3 +160,98 @@ class FairQueue:
             return
         self._front.remove(request)  # ValueError if it is neither
         self._len -= 1
+
+
+class PriorityQueue:
+    """The waiting requests under ``--scheduling-policy priority``: one ``FairQueue`` per
+    priority level, the lowest value taken first (vLLM's meaning), ties by client in turn and
+    then by arrival. A preempted request goes back among its level's resumed requests in order
+    of arrival: ahead of everything it outranks, behind what outranks it. Offers the same
+    operations as ``FairQueue``."""
+
+    def __init__(self) -> None:
+        self._levels: dict[int, FairQueue] = {}
+
+    def _ordered(self) -> list[FairQueue]:
+        return [self._levels[p] for p in sorted(self._levels)]
+
+    def _level(self, priority: int) -> FairQueue:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = FairQueue()
+        return level
+
+    def _prune(self, priority: int) -> None:
+        if not self._levels[priority]:
+            del self._levels[priority]
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self._levels.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._levels)
+
+    def __iter__(self) -> Iterator[Request]:
+        for level in self._ordered():
+            yield from level
+
+    def __getitem__(self, index: int) -> Request:
+        if index != 0:
+            raise IndexError("only the head of the waiting queue is indexed")
+        return self.peek()
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._lane_sizes())
+
+    @property
+    def max_per_client(self) -> int:
+        return max(self._lane_sizes().values(), default=0)
+
+    def _lane_sizes(self) -> Counter[str]:
+        sizes: Counter[str] = Counter()
+        for level in self._levels.values():
+            sizes.update(level.lane_sizes())
+        return sizes
+
+    def peek(self) -> Request:
+        if not self._levels:
+            raise IndexError("the waiting queue is empty")
+        return self._levels[min(self._levels)].peek()
+
+    def append(self, request: Request) -> None:
+        self._level(request.priority).append(request)
+
+    def appendleft(self, request: Request) -> None:
+        self._level(request.priority).resume(request)
+
+    def putback(self, requests: list[Request]) -> None:
+        for priority in dict.fromkeys(r.priority for r in requests):
+            self._level(priority).putback([r for r in requests if r.priority == priority])
+
+    def popleft(self) -> Request:
+        request = self.peek()
+        self.take(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        level = self._levels.get(request.priority)
+        if level is None:
+            raise ValueError("the request is not waiting")
+        level.remove(request)
+        self._prune(request.priority)
+
+    @property
+    def clients(self) -> list[str]:
+        return list(dict.fromkeys(c for level in self._ordered() for c in level.clients))
+
+    def first(self, allowed: Callable[[str], bool]) -> Request | None:
+        for level in self._ordered():
+            request = level.first(allowed)
+            if request is not None:
+                return request
+        return None
+
+    def take(self, request: Request) -> None:
+        self._levels[request.priority].take(request)
+        self._prune(request.priority)

@@ -1,0 +1,92 @@
+"""How the scheduler shares the batch: between clients (a fair share of the slots, and of each
+step by tokens: ``core/service_counters.py``) and, under the priority policy, by priority
+(docs/scheduler.md, docs/robustness.md). A part of ``Scheduler``, kept apart so that each
+rule reads on its own."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tidal.core.request import Request, RequestStatus
+from tidal.core.service_counters import ServiceCounters
+
+if TYPE_CHECKING:
+    from tidal.core.kv_cache_manager import KVCacheManager
+    from tidal.core.scheduler import SchedulerConfig
+    from tidal.core.waiting_queue import FairQueue, PriorityQueue
+
+
+class BatchSharing:
+    config: SchedulerConfig
+    kv: KVCacheManager
+    running: list[Request]
+    waiting: FairQueue | PriorityQueue
+    service: ServiceCounters
+    _preempt: Callable[[Request], None]  # the scheduler's: frees its KV, back to waiting
+
+    def _make_room_for_priority(self, budget: int, preempted: list[Request]) -> None:
+        """With the batch full, or too few free KV blocks for its first chunk (counted
+        without prefix hits), the waiting request of the best priority preempts the running
+        request of the worst (the latest arrival among equals) while it outranks it. The
+        running list is kept in order of priority, so that one is the last."""
+        while self.waiting and self.running:
+            head, worst = self.waiting.peek(), self.running[-1]
+            if head.priority >= worst.priority or head.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                return
+            needed = self.kv.blocks_needed(min(head.num_tokens, budget))
+            if (len(self.running) < self.config.max_num_seqs
+                    and needed <= self.kv.pool.num_free_blocks):
+                return
+            self.running.pop()
+            self._preempt(worst)
+            preempted.append(worst)
+
+    def _fair_share(self) -> int | None:
+        """The batch slots each client may hold while several have requests running or
+        waiting (None with one client: it may take them all)."""
+        clients = {r.client for r in self.running}.union(self.waiting.clients)
+        if len(clients) <= 1:
+            return None
+        return max(1, self.config.max_num_seqs // len(clients))
+
+    def _step_filter(self, share: int | None) -> Callable[[str], bool] | None:
+        """Which clients run this step (``ServiceCounters``); None: all of them."""
+        if share is None:  # one client with work, or none: kept as the one to start behind
+            alone = self.running[0].client if self.running else next(iter(self.waiting.clients),
+                                                                     None)
+            return self.service.step_filter({} if alone is None else {alone: 0})
+        demand = Counter(r.client for r in self.running)
+        if len(self.running) < self.config.max_num_seqs:  # a waiting client can be admitted
+            for client in self.waiting.clients:
+                demand[client] += 1
+        return self.service.step_filter(demand)
+
+    def _make_room_for_waiting_clients(self, share: int | None,
+                                       preempted: list[Request]) -> None:
+        """With the batch full, each waiting client below its fair share of the slots takes
+        one from the client most above it: that client's latest request is preempted (its
+        KV recomputed, or found in the prefix cache, when it resumes). One client's flood of
+        sequences then delays another client's request by a step, not by the flood's whole
+        generation."""
+        if share is None or len(self.running) < self.config.max_num_seqs:
+            return
+        counts = Counter(r.client for r in self.running)
+        for client in self.waiting.clients:
+            if counts[client] >= share:
+                continue
+            greedy, most = counts.most_common(1)[0]
+            if most <= share:
+                return
+            victim = next(r for r in reversed(self.running) if r.client == greedy)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
+            counts[greedy] -= 1
+            counts[client] += 1  # the slot it is about to take
+
+
+def rank(request: Request) -> tuple[int, float]:
+    """The order of the priority policy: the lowest priority value, then the earliest."""
+    return request.priority, request.arrival_time
