@@ -1,5 +1,6 @@
 """Building blocks of Llama-family models: RMSNorm, rotary position embeddings, the gated
-MLP's activation and the token embedding over this rank's vocabulary rows.
+MLP's activation and the token embedding over this rank's vocabulary rows; and Gemma's forms of
+the first and third (``GemmaRMSNorm``, ``GeluAndMul``).
 
 Each has a torch form (``*_torch`` below: 6, 14 and 2 ops, whose fixed costs dominate a decode
 step and whose intermediates are each a trip through memory at prefill sizes) and a fused
@@ -83,6 +84,33 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored less one (scaled by ``1 + weight``), and the scaling
+    is done in float32 before rounding to the input dtype (HF's Gemma2RMSNorm). The fused
+    kernels, which scale in the input dtype, take float32 inputs only, where both agree."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = fused_kernels_for(x, self.plan)
+        if kernels is not None and x.dtype == torch.float32 and _takes(kernels, x):
+            return kernels.rms_norm(x, 1.0 + self.weight, self.eps)
+        return gemma_rms_norm_torch(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kernels = fused_kernels_for(x, self.plan)
+        if (kernels is not None and x.dtype == torch.float32 and _takes(kernels, x, delta)
+                and delta.dtype == x.dtype and delta.shape == x.shape):
+            return kernels.add_rms_norm(x, delta, 1.0 + self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
+
+def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -113,6 +141,20 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up, self.plan)
+
+
+class GeluAndMul(nn.Module):
+    """Gemma's gated MLP activation, ``GELU(gate) * up`` with GELU's tanh approximation
+    (``gelu_pytorch_tanh``), over a fused ``[..., 2n]`` gate/up projection. torch's form on
+    every device: no fused kernel has it yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan: Plan | None = None  # unused: kept as SiluAndMul's, which the planner reads
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class VocabParallelEmbedding(nn.Embedding):

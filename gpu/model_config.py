@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tidal.gpu.gemma_config import GEMMA_ARCHITECTURES, GemmaFacts, with_gemma_facts
 from tidal.gpu.model_checks import ModelFileError, check_config_values, check_shape_rules
 
 # architecture name in config.json -> (qkv bias, per-head q/k RMSNorm)
@@ -15,6 +16,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma2ForCausalLM": (False, False),
+    "Gemma3ForCausalLM": (False, True),
 }
 
 
@@ -36,6 +39,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
+    gemma: GemmaFacts | None = None  # Gemma 2/3's sliding windows etc. (gpu/gemma_config.py)
 
     @classmethod
     def load(cls, model: str | Path) -> ModelConfig:
@@ -110,6 +114,8 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelFileError(f"{source}: a setting has the wrong type: {exc}") from None
         check_shape_rules(cfg, source)
+        if arch in GEMMA_ARCHITECTURES:
+            cfg = with_gemma_facts(cfg, raw, source)
         return cfg
 
     def kv_bytes_per_token(self, dtype_size: int, scale_size: int = 0) -> int:

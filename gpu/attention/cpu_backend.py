@@ -40,29 +40,36 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                scales: tuple[Scale, Scale] = (None, None)) -> None:
+                scales: tuple[Scale, Scale] = (None, None), window: int = 0,
+                softcap: float = 0.0) -> None:
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
-        own context, so rows of any lengths go together."""
+        own context (its last ``window`` positions, where a window is given), so rows of any
+        lengths go together."""
         if not (_kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.decode_plan, len(meta.decode_requests))):
-            return super()._decode(query, key_cache, value_cache, meta, scale, out, scales)
+            return super()._decode(query, key_cache, value_cache, meta, scale, out, scales,
+                                   window, softcap)
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
-                                      meta.seq_lens, requests, query_rows, scale, *scales)
+                                      meta.seq_lens, requests, query_rows, scale, *scales,
+                                      window=window, softcap=softcap)
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                 scales: tuple[Scale, Scale] = (None, None)) -> None:
+                 scales: tuple[Scale, Scale] = (None, None), window: int = 0,
+                 softcap: float = 0.0) -> None:
         """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
         attention keeps the half-precision chunks."""
         if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.prefill_plan, meta.num_actual_tokens)):
-            return super()._prefill(query, key_cache, value_cache, meta, scale, out, scales)
+            return super()._prefill(query, key_cache, value_cache, meta, scale, out, scales,
+                                    window, softcap)
         self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
                                        meta.seq_lens, meta.query_start_loc,
-                                       meta.prefill_requests_cpu, scale, *scales)
+                                       meta.prefill_requests_cpu, scale, *scales,
+                                       window=window, softcap=softcap)
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:

@@ -5,6 +5,12 @@ context; prefill chunks, which may sit on top of prefix-cached blocks or earlier
 attended one request at a time with a causal mask offset by the cached length. Both go through
 torch's fused ``scaled_dot_product_attention``; ``reference_paged_attention`` states the maths
 plainly, for tests.
+
+Every backend's ``forward`` also takes a layer's sliding ``window`` (0: none; a row then sees
+only the positions after its own minus ``window``) and its attention logits' ``softcap`` (0:
+none; each score ``s`` becomes ``softcap * tanh(s / softcap)`` before the softmax), as Gemma 2
+and 3 use them. Here a window is one more term of the mask; soft-capped scores take the plain
+maths, which torch's fused attention cannot run.
 """
 
 from __future__ import annotations
@@ -37,30 +43,35 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: Scale = None,
-                v_scale: Scale = None) -> torch.Tensor:
+                v_scale: Scale = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         out = torch.empty_like(query)
         # padding rows; every request's rows are written below
         out[meta.query_start_loc_cpu[-1]:].zero_()
         scales = (k_scale, v_scale)
         if meta.decode_requests:
-            self._decode(query, key_cache, value_cache, meta, scale, out, scales)
+            self._decode(query, key_cache, value_cache, meta, scale, out, scales, window,
+                         softcap)
         if meta.prefill_requests:
-            self._prefill(query, key_cache, value_cache, meta, scale, out, scales)
+            self._prefill(query, key_cache, value_cache, meta, scale, out, scales, window,
+                          softcap)
         return out
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                 scales: tuple[Scale, Scale] = (None, None)) -> None:
+                 scales: tuple[Scale, Scale] = (None, None), window: int = 0,
+                 softcap: float = 0.0) -> None:
         """The step's prefill chunks (``meta.prefill_requests``), one request at a time."""
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in meta.prefill_requests:
             start, end = qsl[i], qsl[i + 1]
             k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i], scales)
-            out[start:end] = _attend_sdpa(query[start:end], k, v, scale, lens[i] - (end - start))
+            out[start:end] = _attend_sdpa(query[start:end], k, v, scale, lens[i] - (end - start),
+                                          window, softcap)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                scales: tuple[Scale, Scale] = (None, None)) -> None:
+                scales: tuple[Scale, Scale] = (None, None), window: int = 0,
+                softcap: float = 0.0) -> None:
         """The step's decode rows (``meta.decode_requests``), in one batched call per group
         of rows whose contexts span the same power-of-two number of blocks: every row of a
         call is gathered and attended up to the call's longest context, so one long request
@@ -72,12 +83,14 @@ class TorchAttentionBackend:
             blocks = -(-meta.seq_lens_cpu[i] // block_size)
             groups.setdefault((blocks - 1).bit_length(), []).append(i)
         for group in groups.values():
-            self._decode_group(query, key_cache, value_cache, meta, scale, group, out, scales)
+            self._decode_group(query, key_cache, value_cache, meta, scale, group, out, scales,
+                               window, softcap)
 
     @staticmethod
     def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, rows: list[int],
-                      out: torch.Tensor, scales: tuple[Scale, Scale]) -> None:
+                      out: torch.Tensor, scales: tuple[Scale, Scale], window: int = 0,
+                      softcap: float = 0.0) -> None:
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         tokens = torch.tensor([qsl[i] for i in rows], device=query.device)
         ctx = torch.tensor([lens[i] for i in rows], device=query.device)
@@ -89,9 +102,11 @@ class TorchAttentionBackend:
         v = _gather_blocks(value_cache, scales[1], table).view(b, -1, kvh, dim).transpose(1, 2)
         q = query[tokens].unsqueeze(2)  # [B, H, 1, D]
         pos = torch.arange(k.shape[2], device=query.device)
-        mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        mask = pos[None, :] < ctx[:, None]
+        if window:
+            mask &= pos[None, :] >= ctx[:, None] - window
+        o = _masked_attention(q, k.to(q.dtype), v.to(q.dtype), mask[:, None, None, :], scale,
+                              softcap)
         out[tokens] = o.squeeze(2)
 
 
@@ -118,7 +133,7 @@ def _gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor,
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 num_cached: int) -> torch.Tensor:
+                 num_cached: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """``_attend`` through torch's fused attention (several times faster on the CPU).
 
     The inputs get a batch dimension: on the CPU only 4-D inputs reach the flash kernel (3-D
@@ -127,28 +142,51 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """
     length = q.shape[0]
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k.to(q.dtype), v.to(q.dtype)))
-    if num_cached == 0:
+    if num_cached == 0 and not window and not softcap:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
                                              enable_gqa=True)
         return out[0].transpose(0, 1)
-    q_pos = torch.arange(length, device=q.device)[:, None] + num_cached
-    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
-    return out[0].transpose(0, 1)
+    mask = _visible(length, k.shape[0], num_cached, window, q.device)
+    return _masked_attention(q4, k4, v4, mask, scale, softcap)[0].transpose(0, 1)
+
+
+def _visible(length: int, context: int, num_cached: int, window: int,
+             device: torch.device) -> torch.Tensor:
+    """``[length, context]``: which keys each of the last ``length`` query positions sees
+    (causal, and within ``window`` where one is given)."""
+    q_pos = torch.arange(length, device=device)[:, None] + num_cached
+    k_pos = torch.arange(context, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window else mask
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, L, D]`` over ``k``/``v`` ``[B, KVH, S, D]`` where ``mask``
+    allows: torch's fused kernel, or with ``softcap`` the plain maths (as HF's eager path)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            num_cached: int) -> torch.Tensor:
+            num_cached: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of ``q`` ``[L, H, D]`` (the last L positions) over ``k``/``v``."""
     length, heads, dim = q.shape
     kvh = k.shape[1]
     qg = q.view(length, kvh, heads // kvh, dim).permute(1, 2, 0, 3).float()  # [KVH, G, L, D]
     kt = k.permute(1, 2, 0).float()[:, None]  # [KVH, 1, D, S]
     scores = torch.matmul(qg, kt) * scale  # [KVH, G, L, S]
-    q_pos = torch.arange(length, device=q.device)[:, None] + num_cached
-    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
-    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~_visible(length, k.shape[0], num_cached, window, q.device),
+                        float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2).float()[:, None])  # [KVH, G, L, D]
     return out.permute(2, 0, 1, 3).reshape(length, heads, dim).to(q.dtype)
@@ -156,12 +194,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
     """Per-request loop, no batching tricks: the simplest statement of the maths, for tests."""
     out = torch.zeros_like(query)
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for i in range(meta.num_reqs):
         start, end = qsl[i], qsl[i + 1]
         k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
-        out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start))
+        out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start),
+                                 window, softcap)
     return out

@@ -17,9 +17,14 @@ Three jobs (layout in ``gpu.attention.metadata``):
   already stored it).
 
 Softmax runs in base 2 (``exp2``) with the scale folded into the scores, accumulating in
-float32. An int8 cache (``gpu.attention.kv_quant``) is read as int8 and dequantized in registers
-by its per-(token, KV head) scales as each tile is loaded (``write_kv``, in
-``triton_cache_write``, quantizes as it stores). Without CUDA, the kernels run in Triton's
+float32 (with soft-capping, the cap is applied to the plainly scaled scores first).
+A sliding-window layer's ``window`` (``WINDOWED``) starts each row's keys at its window: decode
+splits cover only the window, and a prefill tile starts at its first row's earliest visible
+key and masks below each row's.
+
+An int8 cache (``gpu.attention.kv_quant``) is read as int8 and dequantized in registers by its
+per-(token, KV head) scales as each tile is loaded (``write_kv``, in ``triton_cache_write``,
+quantizes as it stores). Without CUDA, the kernels run in Triton's
 interpreter (``TRITON_INTERPRET=1``, set here unless the environment says otherwise), which is
 how the CPU tests exercise them.
 """
@@ -80,25 +85,38 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     return k, v
 
 
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), as (1 - e) / (1 + e) with e = exp(-2 |s / cap|), signed after."""
+    t = s / cap
+    e = tl.exp(-2.0 * tl.abs(t))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(t < 0, -magnitude, magnitude) * cap
+
+
 # --------------------------------------------------------------------------------------
 # decode: split-K paged attention and the merge of the splits
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
-                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, scale,
+                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, scale, window, softcap,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    c_stride_b, c_stride_s, c_stride_h, bt_stride,
                    mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
                    group, head_dim, num_splits,
                    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + r)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = seq_len * 0  # the first position attended: the window's, where there is one
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -122,6 +140,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
                              c_stride_s, c_stride_h, bt_stride, BLOCK_SIZE, UPCAST, QUANT)
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:  # scale is the plain one here; the scores go to base 2 after the cap
+            s = _soft_cap(s, softcap) * 1.4426950408889634
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -189,9 +209,11 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  max_seq_len: int, out: torch.Tensor | None = None,
                  num_splits: int | None = None, block_n: int | None = None,
                  k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
     """Attention of query row ``i`` (``[num_reqs, heads, head_dim]``) over the first
-    ``seq_lens[i]`` tokens of request ``i``'s blocks. A request with ``seq_len`` 0 (padding)
+    ``seq_lens[i]`` tokens of request ``i``'s blocks (their last ``window``, where given;
+    scores soft-capped by ``softcap``, where given). A request with ``seq_len`` 0 (padding)
     gets zeros. An int8 cache comes with its scales."""
     check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
@@ -202,7 +224,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if num_reqs == 0:
         return out
     if num_splits is None:
-        num_splits = decode_num_splits(num_reqs, kvh, max_seq_len, query.device)
+        attended = min(max_seq_len, window) if window else max_seq_len
+        num_splits = decode_num_splits(num_reqs, kvh, attended, query.device)
     block_n = block_n or _default_block_n(block_size)
     dim = max(MIN_DOT, triton.next_power_of_2(head_dim))
     if num_splits > 1:
@@ -215,14 +238,15 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     _decode_kernel[(num_reqs, kvh, num_splits)](
         query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), block_table,
         seq_lens, out, mid_o, mid_lse,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim,
         BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=_precision(query),
-        UPCAST=_upcast(query), QUANT=k_scale is not None)
+        UPCAST=_upcast(query), QUANT=k_scale is not None, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0)
     if num_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -236,13 +260,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, scale,
+                    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window, softcap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_b, c_stride_s, c_stride_h, bt_stride,
                     group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                    UPCAST: tl.constexpr, QUANT: tl.constexpr, WINDOWED: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     r = tl.program_id(0)
     q_tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -272,7 +297,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM], tl.float32)
     kv_end = tl.minimum(seq_len, num_cached + (q_tile + 1) * BLOCK_Q)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = kv_end * 0
+    if WINDOWED:  # from the tile holding the first row's earliest visible key
+        kv_start = tl.maximum(num_cached + q_tile * BLOCK_Q - window + 1, 0)
+        kv_start = kv_start // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -280,11 +309,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
                              c_stride_s, c_stride_h, bt_stride, BLOCK_SIZE, UPCAST, QUANT)
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:  # scale is the plain one here; the scores go to base 2 after the cap
+            s = _soft_cap(s, softcap) * 1.4426950408889634
         causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite without a window: key 0 is visible
+        shift = m_new
+        if WINDOWED:  # a row may see no key of a tile below its window: shift by 0 there
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -299,11 +335,13 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                   out: torch.Tensor | None = None, block_q: int | None = None,
                   block_n: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each request's query rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (its last tokens) over its ``seq_lens[i]``
-    cached tokens. Rows outside every request are left as they are in ``out``. An int8 cache
-    comes with its scales."""
+    cached tokens (within ``window``, where given; scores soft-capped by ``softcap``). Rows
+    outside every request are left as they are in ``out``. An int8 cache comes with its
+    scales."""
     check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -323,13 +361,14 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     _prefill_kernel[grid](
         query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), out, block_table,
         seq_lens, query_start_loc,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         group, head_dim,
         BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         DIM=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        PRECISION=_precision(query), UPCAST=_upcast(query), QUANT=k_scale is not None)
+        PRECISION=_precision(query), UPCAST=_upcast(query), QUANT=k_scale is not None,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0)
     return out
 
 

@@ -29,12 +29,13 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
-    dtype or device, another attention backend, q/k norms, or linears without a C++
+    dtype or device, another attention backend, q/k norms, a model whose layers are not
+    Llama's (``one_call_decode``: Gemma's are not), or linears without a C++
     ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built), or
     tensor parallelism (its all-reduces run between the layers' ops). ``max_rows``: the
     most rows a step may have, which an int8 embedding's staged table holds."""
     kernels = load_cpu_kernels()
-    if model.tp.size > 1:
+    if model.tp.size > 1 or not getattr(model, "one_call_decode", False):
         return None
     cfg = model.config
     table = model.embed_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tidal.gpu.models.gemma import GemmaForCausalLM
 from tidal.gpu.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -13,4 +14,6 @@ MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }

@@ -40,6 +40,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        self.window = 0  # a sliding window's length (gpu/models/gemma.py); 0: none
+        self.softcap = 0.0  # soft-capping of the attention logits; 0: none
         self.tp = tensor_parallel()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -53,7 +55,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache, *scales = kv_cache
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
-        out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales)
+        out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales,
+                                   window=self.window, softcap=self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -93,6 +96,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Whether the CPU's one-call decode step (gpu/cpu/decode_stack.py) runs this model's layers.
+    one_call_decode = True
+    norm_type: type[RMSNorm] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  max_positions: int) -> None:
         super().__init__()
@@ -100,13 +107,17 @@ class LlamaForCausalLM(nn.Module):
         self.tp: TensorParallel = tensor_parallel()
         self.local_config = local = local_config(cfg, self.tp)  # this rank's heads and MLP
         self.max_positions = max_positions
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(local, rotary, backend)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.build_layers(local, backend))
+        self.norm = self.norm_type(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tie_weights()
+
+    def build_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> list[nn.Module]:
+        """The decoder layers, over this rank's ``cfg``."""
+        rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        return [DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)]
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again
@@ -117,11 +128,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, delta, kv_cache, meta)
         return self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

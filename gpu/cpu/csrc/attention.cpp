@@ -32,6 +32,11 @@
 // softmax weights by its values' scales before they weight the values (the softmax sums take
 // the weights unscaled). The query and output stay in the model's dtype.
 //
+// A sliding-window layer (window > 0) attends only to the last `window` positions of a row's
+// context: the row starts at the block holding the first of them, whose earlier lanes are
+// masked. Soft-capping (softcap > 0) maps each score s to softcap * tanh(s / softcap) before
+// the softmax. Both are runtime arguments checked once a block, so the plain path is unchanged.
+//
 // bench/decode_attention.py times the kernel against the torch backend; docs/cpu-backend.md
 // keeps what was measured.
 //
@@ -213,20 +218,23 @@ TIDAL_INLINE void add_values(float* out, float rescale, V weights,
   }
 }
 
-// One query head over positions [p0, p0 + kLanes) (or fewer at the end): their scores, then
+// One query head over positions [p0, p0 + kLanes) (or fewer at the end; the first `skip`
+// lanes masked, before a sliding window): their scores, soft-capped where softcap > 0, then
 // the online-softmax update of the head's state. CHUNKS is head_dim / kLanes, fixed at compile
 // time so the tiles stay in registers; `offsets` always names kLanes rows (context_offsets pads
 // them). q and the state are in Rows' chunk order.
 template <int CHUNKS, typename Rows>
 void attend_block(const float* q, HeadState& state, const typename Rows::type* keys,
                   const typename Rows::type* values, const int64_t* offsets, int64_t n,
-                  Groups fetch, Scales scales) {
+                  Groups fetch, Scales scales, int64_t skip, float softcap) {
   V scores = block_scores<CHUNKS, Rows>(q, keys, offsets, fetch);
   V value_scales;
   if constexpr (Rows::kScaled) {  // int8: q.k is the key's scale times q.(its int8 values)
     value_scales = tidal::load<V>(scales.v);
     scores *= tidal::load<V>(scales.k);
   }
+  if (softcap > 0.f) scores = tidal::soft_cap(scores, softcap);
+  for (int64_t j = 0; j < skip; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   for (int64_t j = n; j < kLanes; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   float* sums = state.acc + 2 * CHUNKS * kLanes;
   V weight_sums = tidal::load<V>(sums);
@@ -252,7 +260,7 @@ void attend_block(const float* q, HeadState& state, const typename Rows::type* k
 template <typename Rows>
 using BlockKernel = void (*)(const float*, HeadState&, const typename Rows::type*,
                              const typename Rows::type*, const int64_t*, int64_t, Groups,
-                             Scales);
+                             Scales, int64_t, float);
 
 // The block kernel for head_dim, or nullptr for a size without one.
 template <typename Rows>
@@ -289,7 +297,8 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                              const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                              const torch::Tensor& requests, const torch::Tensor& query_rows,
                              float scale, const tidal::OptionalTensor& k_scale,
-                             const tidal::OptionalTensor& v_scale) {
+                             const tidal::OptionalTensor& v_scale, int64_t window,
+                             float softcap) {
   using cache_t = typename Rows::type;
   const int64_t rows = requests.numel(), heads = query.size(1), dim = query.size(2);
   const int64_t group = heads / key_cache.size(2);
@@ -328,6 +337,9 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       const int64_t kv0 = kv_heads * part / parts, kv1 = kv_heads * (part + 1) / parts;
       const int64_t h0 = kv0 * group, h1 = kv1 * group, task_elements = (kv1 - kv0) * dim;
       const int64_t r = req[i], len = lens[r];
+      // a sliding window's first position, and the block it falls in
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t start = first - first % kLanes;
       const scalar_t* qi = q + qrow[i] * query.stride(0);
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t e = 0; e < dim; ++e)
@@ -342,10 +354,10 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       // the task's part of each position's cache row, for the prefetches
       const cache_t* task_keys = keys + kv0 * dim;
       const cache_t* task_values = values + kv0 * dim;
-      const int64_t first_groups = future_groups(task_keys, task_values, offsets.data(), 0, len,
-                                                 task_elements, groups);
+      const int64_t first_groups = future_groups(task_keys, task_values, offsets.data(), start,
+                                                 len, task_elements, groups);
       for (int64_t g = 0; g < first_groups; ++g) prefetch_group(groups[g]);
-      for (int64_t p0 = 0; p0 < len; p0 += kLanes) {
+      for (int64_t p0 = start; p0 < len; p0 += kLanes) {
         const int64_t n = std::min(kLanes, len - p0);
         const int64_t count = future_groups(task_keys, task_values, offsets.data(),
                                             p0 + kPrefetchAhead, len, task_elements, groups);
@@ -354,13 +366,14 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                                                kv_heads, block_scales.data());
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t head_offset = (h / group) * dim;
-          const int64_t first = std::min(count, (h - h0) * per_head);
+          const int64_t head_first = std::min(count, (h - h0) * per_head);
           const float* kv_scales = block_scales.data() + 2 * (h / group) * kLanes;
           const Scales head_scales{kv_scales, kv_scales + kLanes};
           attend(qf.data() + h * dim, states[h], keys + head_offset, values + head_offset,
                  offsets.data() + p0, n,
-                 Groups{groups.data() + first, std::min(count, first + per_head) - first},
-                 head_scales);
+                 Groups{groups.data() + head_first, std::min(count, head_first + per_head) -
+                                                        head_first},
+                 head_scales, std::max<int64_t>(0, first - p0), softcap);
         }
       }
       scalar_t* oi = o + qrow[i] * out.stride(0);
@@ -384,13 +397,14 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale, c10::optional<torch::Tensor> k_scale,
-                      c10::optional<torch::Tensor> v_scale) {
+                      c10::optional<torch::Tensor> v_scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
                k_scale, v_scale);
   const auto run = [&](auto rows, auto element) {
     decode_attention_kernel<decltype(rows), decltype(element)>(
         out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
-        static_cast<float>(scale), k_scale, v_scale);
+        static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap));
   };
   const bool int8 = key_cache.scalar_type() == torch::kInt8;
   switch (query.scalar_type()) {

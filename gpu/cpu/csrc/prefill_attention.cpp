@@ -16,6 +16,11 @@
 // tiles past an item's last position are skipped, and only tiles that cross the diagonal are
 // masked.
 //
+// A sliding-window layer (window > 0) lets row i see only positions > its position - window:
+// an item starts at the tile holding its first row's earliest visible key, and tiles reaching
+// below its last row's are masked from below too. Soft-capping (softcap > 0) maps each score s
+// to softcap * tanh(s / softcap) before the masks. Both are checked once a tile.
+//
 // The vectors are the target's own (vec.h's vnative), so an item is 16 rows and a tile 16 keys
 // with AVX-512, 8 and 8 with AVX2: a tile's scores (one vector per key) and the query
 // dimensions multiplying them, or a step of output dimensions, then fit the 32 or 16 vector
@@ -181,7 +186,8 @@ void dequantize_tile(const int8_t* keys, const int8_t* values, const int64_t* of
 // the softmax sums. An int8 cache's tiles are dequantized into `tile` (2 kKeys DIM floats).
 template <int DIM, typename cache_t>
 V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* values,
-              const int64_t* offsets, Scales scales, float* tile, float* ot) {
+              const int64_t* offsets, Scales scales, float* tile, float* ot, int64_t window,
+              float softcap) {
   constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   int64_t tile_offsets[kKeys];  // where each key's row sits in the dequantized tile
   for (int64_t j = 0; j < kKeys; ++j) tile_offsets[j] = j * DIM;
@@ -190,13 +196,24 @@ V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* 
   V running_max = minus_inf, sums{};
   const float first_position = positions[0];
   const int64_t end = static_cast<int64_t>(positions[kRows - 1]) + 1;  // keys to attend
-  for (int64_t k0 = 0; k0 < end; k0 += kKeys) {
+  // with a sliding window: the first row's earliest key, and the last row's
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+  const int64_t begin =
+      window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(first_position) - window + 1) : 0;
+  const V window_floor = positions - static_cast<float>(window);  // keys at or below: masked
+  for (int64_t k0 = begin - begin % kKeys; k0 < end; k0 += kKeys) {
     V s[kKeys], p[kKeys];
     if constexpr (kScaled) {
       dequantize_tile<DIM>(keys, values, offsets, scales, k0, tile);
       tile_scores<DIM>(qt, tile, tile_offsets, s);
     } else {
       tile_scores<DIM>(qt, keys, offsets + k0, s);
+    }
+    if (softcap > 0.f)
+      for (int64_t j = 0; j < kKeys; ++j) s[j] = tidal::soft_cap(s[j], softcap);
+    if (k0 < lowest) {  // the tile reaches below a row's window: mask the past
+      for (int64_t j = 0; j < kKeys; ++j)
+        s[j] = window_floor >= static_cast<float>(k0 + j) ? minus_inf : s[j];
     }
     if (k0 + kKeys - 1 > first_position) {  // the tile crosses the diagonal: mask the future
       for (int64_t j = 0; j < kKeys; ++j)
@@ -231,7 +248,7 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                     const torch::Tensor& query_start_loc, const torch::Tensor& requests,
                     float scale, const tidal::OptionalTensor& k_scale,
-                    const tidal::OptionalTensor& v_scale) {
+                    const tidal::OptionalTensor& v_scale, int64_t window, float softcap) {
   constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   const int64_t heads = query.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -283,7 +300,7 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
                                     : Scales{nullptr, nullptr, nullptr};
       const V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
                                       values + kv_offset, offsets.data(), scales, tile.data(),
-                                      ot.data());
+                                      ot.data(), window, softcap);
       for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not one per row
         tidal::store(ot.data() + d * kRows, tidal::load<V>(ot.data() + d * kRows) / sums);
       for (int64_t k = 0; k < rows; ++k) {
@@ -315,12 +332,14 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        torch::Tensor requests, double scale,
                        c10::optional<torch::Tensor> k_scale,
-                       c10::optional<torch::Tensor> v_scale) {
+                       c10::optional<torch::Tensor> v_scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                requests, k_scale, v_scale);
   if (key_cache.scalar_type() == torch::kInt8) return dispatch_dim<int8_t>(
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
-      static_cast<float>(scale), k_scale, v_scale);
+      static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap));
   dispatch_dim<float>(out, query, key_cache, value_cache, block_table, seq_lens,
-                      query_start_loc, requests, static_cast<float>(scale), k_scale, v_scale);
+                      query_start_loc, requests, static_cast<float>(scale), k_scale, v_scale,
+                      window, static_cast<float>(softcap));
 }

@@ -210,6 +210,17 @@ TIDAL_INLINE V exp_nonpositive(V x) {
   return underflow ? V{} : result;
 }
 
+// cap * tanh(x / cap) of each lane (attention logit soft-capping, Gemma 2), as
+// (1 - e) / (1 + e) with e = exp(-2 |x / cap|) <= 1, the sign put back after.
+template <typename V>
+TIDAL_INLINE V soft_cap(V x, float cap) {
+  const V t = x * (1.f / cap);
+  const V magnitude = t < 0.f ? -t : t;
+  const V e = exp_nonpositive(magnitude * -2.f);
+  const V tanh_magnitude = (1.f - e) / (1.f + e);
+  return (t < 0.f ? -tanh_magnitude : tanh_magnitude) * cap;
+}
+
 // One round of sum_each: lanes of a and b summed in pairs Width apart, a's sums in the lower
 // half of the result and b's in the upper (each block of Width lanes from one block of 2 Width).
 template <int Width, typename V, int... Lane>

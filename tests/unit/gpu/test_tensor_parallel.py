@@ -30,8 +30,11 @@ from tidal.gpu.weight_shards import check_tensor_parallel, local_config, shard_w
 
 NEW_TOKENS = 24
 TOL = 1e-4
-# (arch, heads, KV heads): qwen2 has fewer KV heads than ranks, which then share a copy
-MODELS = [("llama", 4, 2), ("qwen2", 4, 1), ("qwen3", 4, 2)]
+# (arch, heads, KV heads): qwen2 has fewer KV heads than ranks, which then share a copy;
+# gemma2's sliding windows and soft-capping are per head, as each rank runs them
+MODELS = [("llama", 4, 2), ("qwen2", 4, 1), ("qwen3", 4, 2), ("gemma2", 4, 2)]
+# sizes that give every model the same KV bytes a token, which STRESS's cache is sized for
+OVERRIDES = {"gemma2": dict(head_dim=16, num_hidden_layers=2)}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
 # small steps (chunked prefill), a cache too small for every request at once (preemption),
 # the next step scheduled while one runs (async scheduling)
@@ -42,7 +45,8 @@ STRESS = dict(max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=True,
 def _model(tmp_path_factory, arch: str, heads: int, kv_heads: int):
     # an odd vocabulary, so the last rank's rows of the embedding and head are padded
     return build_model_dir(tmp_path_factory.mktemp(arch), arch, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, added_tokens=("<odd>",))
+                           num_key_value_heads=kv_heads, added_tokens=("<odd>",),
+                           **OVERRIDES.get(arch, {}))
 
 
 def _run(path, prompts, **engine_args) -> tuple[list, LLM]:
