@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
     "Gemma2ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
 
 
@@ -40,6 +42,17 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     gemma: GemmaFacts | None = None  # Gemma 2/3's sliding windows etc. (gpu/gemma_config.py)
+    # Mixture of experts (``gpu/moe.py``; 0 experts: a dense model): each MoE layer's router
+    # sends a token to ``num_experts_per_tok`` experts of ``moe_intermediate_size``, their
+    # weights renormalised to sum to one where ``norm_topk_prob``. Layers listed in
+    # ``mlp_only_layers``, or whose number plus one ``decoder_sparse_step`` does not divide,
+    # keep a dense MLP of ``intermediate_size`` (Qwen3-MoE's rule; Mixtral's every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def load(cls, model: str | Path) -> ModelConfig:
@@ -110,6 +123,7 @@ class ModelConfig:
                 qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
                 qk_norm=qk_norm,
                 eos_token_ids=list(eos_token_ids),
+                **_moe_settings(arch, raw, source),
             )
         except (TypeError, ValueError) as exc:
             raise ModelFileError(f"{source}: a setting has the wrong type: {exc}") from None
@@ -117,6 +131,11 @@ class ModelConfig:
         if arch in GEMMA_ARCHITECTURES:
             cfg = with_gemma_facts(cfg, raw, source)
         return cfg
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has experts rather than a dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def kv_bytes_per_token(self, dtype_size: int, scale_size: int = 0) -> int:
         """Bytes of KV cache per token: a key and a value of ``dtype_size`` bytes an element,
@@ -129,7 +148,9 @@ class ModelConfig:
         projections and the gated MLP's three matrices."""
         hidden, q = self.hidden_size, self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        return hidden * (2 * q + 2 * kv) + 3 * hidden * self.intermediate_size
+        mlp = (self.num_experts_per_tok * self.moe_intermediate_size if self.num_experts
+               else self.intermediate_size)  # a MoE layer: the experts a token goes to
+        return hidden * (2 * q + 2 * kv) + 3 * hidden * mlp
 
     def attention_cost_context(self) -> int:
         """The context length at which a token's attention over its cached positions takes as
@@ -137,6 +158,33 @@ class ModelConfig:
         gated MLP against q.k and the weighted sum of v, 2 FLOPs a multiply-add each)."""
         q = self.num_heads * self.head_dim
         return max(1, round(2 * self.layer_linear_macs() / (4 * q)))
+
+
+def _moe_settings(arch: str, raw: dict, source: str) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral ``config.json`` (none for a
+    dense model). Mixtral's experts are as large as its ``intermediate_size`` and always
+    renormalised; transformers 5 saves Qwen3-MoE's ``num_experts`` as ``num_local_experts``."""
+    if arch == "MixtralForCausalLM":
+        moe = dict(num_experts=raw.get("num_local_experts"),
+                   num_experts_per_tok=raw.get("num_experts_per_tok", 2),
+                   moe_intermediate_size=raw.get("intermediate_size"))
+    elif arch == "Qwen3MoeForCausalLM":
+        moe = dict(num_experts=raw.get("num_experts") or raw.get("num_local_experts"),
+                   num_experts_per_tok=raw.get("num_experts_per_tok"),
+                   moe_intermediate_size=raw.get("moe_intermediate_size"),
+                   decoder_sparse_step=raw.get("decoder_sparse_step", 1))
+    else:
+        return {}
+    for key, value in moe.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+            raise ModelFileError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if moe["num_experts_per_tok"] > moe["num_experts"]:
+        raise ModelFileError(f"{source}: num_experts_per_tok {moe['num_experts_per_tok']} is "
+                             f"more than the {moe['num_experts']} experts")
+    if arch == "Qwen3MoeForCausalLM":
+        moe.update(norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                   mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+    return moe
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> list[int]:

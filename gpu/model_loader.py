@@ -20,6 +20,7 @@ from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.layers import RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.models import MODELS
+from tidal.gpu.moe_weights import expert_slot
 from tidal.gpu.quantization.apply import (
     QUANTIZED_LINEARS,
     install,
@@ -152,6 +153,11 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
     tied_head = quantize_head_rows and cfg.tie_word_embeddings
     for name, value in weights:
+        slot = expert_slot(name)  # a MoE's per-expert weight (gpu/moe_weights.py)
+        if slot is not None and slot.target in params:
+            slot.copy_into(params[slot.target], value.to(device))
+            loaded.add(slot.target)
+            continue
         target, shard = _map_name(name)
         if target is None or target not in params:
             if not name.endswith("rotary_emb.inv_freq"):

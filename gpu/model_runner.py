@@ -162,8 +162,11 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
         backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
-        tensor parallelism, whose all-reduces are not captured."""
+        tensor parallelism, whose all-reduces are not captured, nor for MoE models."""
         if self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1:
+            return
+        if self.model_config.num_experts:  # gpu/moe.py's paths are not yet checked under capture
+            logger.info("a mixture-of-experts model runs its decode steps without CUDA graphs")
             return
         if self.backend.name != "triton":
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")

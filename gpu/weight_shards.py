@@ -26,6 +26,9 @@ _VOCAB = ("embed_tokens", "lm_head")
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """``ValueError`` naming ``tensor_parallel_size`` where the model cannot be split so."""
+    if cfg.num_experts and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models "
+                         f"({cfg.architecture}) are not split across ranks yet; use 1")
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")

@@ -30,10 +30,10 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
     dtype or device, another attention backend, q/k norms, a model whose layers are not
-    Llama's (``one_call_decode``: Gemma's are not), or linears without a C++
-    ``PlannedLinear`` (not packed; quantized ones have one where the kernels are built), or
-    tensor parallelism (its all-reduces run between the layers' ops). ``max_rows``: the
-    most rows a step may have, which an int8 embedding's staged table holds."""
+    Llama's (``one_call_decode``: Gemma's are not), experts (``gpu/moe.py``), or linears
+    without a C++ ``PlannedLinear`` (not packed; quantized ones have one where the kernels are
+    built), or tensor parallelism (its all-reduces run between the layers' ops). ``max_rows``:
+    the most rows a step may have, which an int8 embedding's staged table holds."""
     kernels = load_cpu_kernels()
     if model.tp.size > 1 or not getattr(model, "one_call_decode", False):
         return None
@@ -43,7 +43,8 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
     embedding = table.weight_format.q if quantized else table.weight
     dtype = table.dtype if quantized else embedding.dtype
     if (kernels is None or embedding.device.type != "cpu" or dtype not in STACK_DTYPES
-            or cfg.qk_norm or not kernels.decode_attention_supports(cfg.head_dim)):
+            or cfg.qk_norm or cfg.num_experts
+            or not kernels.decode_attention_supports(cfg.head_dim)):
         return None
     attns = [layer.self_attn for layer in model.layers]
     linears = [m for layer in model.layers for m in layer.modules()

@@ -2,9 +2,10 @@
 each row count, timed on this host with random inputs of the model's shapes (``selector.py``),
 set on the modules that run them, and logged as a table at start.
 
-Ops and their row counts: the linears (``packed_linear.py``) and the norms, activation and
-rotary embeddings by the step's tokens; decode attention by its decode rows (at a context of
-``DECODE_CONTEXT`` positions); prefill attention by a chunk's tokens.
+Ops and their row counts: the linears (``packed_linear.py``) and the norms, activation,
+rotary embeddings and a MoE model's expert paths (``gpu/moe.py``) by the step's tokens;
+decode attention by its decode rows (at a context of ``DECODE_CONTEXT`` positions); prefill
+attention by a chunk's tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import pack_linear_layers
 from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from tidal.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, silu_and_mul
+from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.head import plan_head
 from tidal.gpu.quantization.linear import plan_quant_linears
 
@@ -111,8 +113,13 @@ def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int
             _attention_candidates(attn.backend, cfg, dtype, decode=False))
         attn.backend.decode_plan = plans["decode_attention"]
         attn.backend.prefill_plan = plans["prefill_attention"]
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    if moe:  # every MoE layer of a model has the same shapes
+        plans["moe"] = cache.get_or_choose(moe[0].plan_key(), rows, moe[0].candidates)
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, MoE):
+            module.plan = plans["moe"]
+        elif isinstance(module, RMSNorm):
             module.plan = plans["rms_norm"]
         elif isinstance(module, SiluAndMul):
             module.plan = plans["silu_and_mul"]
@@ -126,7 +133,8 @@ def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
     kernels, as the one-call decode step runs nothing else (its linears follow their plans).
     The rule where the step is not timed as a whole (``plan_decode_stack``)."""
     attn = model.layers[0].self_attn
-    plans = [model.norm.plan, model.layers[0].mlp.act_fn.plan, attn.rotary.plan,
+    act = getattr(model.layers[0].mlp, "act_fn", None)  # None: experts, which no stack runs
+    plans = [model.norm.plan, act and act.plan, attn.rotary.plan,
              getattr(attn.backend, "decode_plan", None)]
     return [all(p is None or p.pick(r) == KERNELS for p in plans) for r in range(max_seqs + 1)]
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from tidal.gpu.models.gemma import GemmaForCausalLM
 from tidal.gpu.models.llama import LlamaForCausalLM
+from tidal.gpu.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,4 +17,6 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }

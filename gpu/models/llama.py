@@ -73,13 +73,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+    """Attention, then ``mlp``: the dense gated MLP, or a mixture of experts (``gpu/moe.py``)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, delta: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +119,11 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers, over this rank's ``cfg``."""
         rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta,
                                  cfg.rope_scaling)
-        return [DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)]
+        return [DecoderLayer(cfg, rotary, backend, self.make_mlp(cfg, i))
+                for i in range(cfg.num_layers)]
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return MLP(cfg)  # layer ``layer``'s feed-forward block: a subclass may choose per layer
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again

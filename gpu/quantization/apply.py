@@ -63,7 +63,8 @@ def quantize_on_read(weights: Iterable[tuple[str, Weight]], method: str, group_s
     for name, value in weights:
         parts = name.split(".")
         if (isinstance(value, torch.Tensor) and "layers" in parts and len(parts) >= 2
-                and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LINEARS):
+                and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LINEARS
+                and "experts" not in parts):  # a MoE's experts stay in the model's dtype
             value = quantize(value, method, group_size)
         yield name, value
 

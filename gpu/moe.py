@@ -1,0 +1,197 @@
+"""The mixture-of-experts feed-forward layer of Qwen3-MoE and Mixtral.
+
+A router (a linear of one output per expert) scores each token; the softmax of the scores, in
+float32, picks the token's ``top_k`` experts, whose weights are renormalised to sum to one
+where the model says so. Each expert is a gated MLP; the token's output is its experts'
+outputs, weighted, summed. The experts' weights are stacked: ``gate_up_proj`` ``[E, 2*I, H]``
+(gate rows first, then up) and ``down_proj`` ``[E, H, I]``, as transformers 5 holds them.
+
+Four ways compute the same thing:
+
+- ``moe_reference``: token by token, expert by expert; the one to read, and the tests' yardstick;
+- ``moe_grouped``: the (token, expert) pairs sorted by expert, each expert's two GEMMs over
+  its own rows only, the rows put back in token order and weighted. Each expert's weights are
+  read once a step, however many tokens chose it; it reads the per-expert row counts on the
+  host (a sync on a GPU, where the Triton path runs instead);
+- ``moe_gathered``: each pair's expert weights gathered and multiplied in two batched
+  matmuls, no sorting and no loop over experts; for steps with fewer pairs than experts (a
+  few decode rows), where the loop's fixed costs outweigh the copy. Past that it is the
+  grouped path;
+- ``moe_triton``: on a GPU, the grouped computation in two Triton kernels with no host sync
+  (``gpu/moe_triton.py``).
+
+On the CPU the choice between grouped and gathered is timed per row bucket like every other op
+(``gpu/cpu/op_plans.py``); untimed, the grouped path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.gpu import layers
+from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.layers import silu_and_mul
+
+GROUPED, GATHERED = "grouped", "gathered"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a model routes: ``top_k`` experts a token, their weights renormalised to sum to one
+    where ``renormalize``; ``float32_weights``: the weights multiply the experts' outputs in
+    float32 (Mixtral, as HF runs it) rather than rounded to the model's dtype first (Qwen3)."""
+
+    top_k: int
+    renormalize: bool
+    float32_weights: bool = False
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert ids)``, each ``[tokens, top_k]``, weights float32, from the router's
+    ``[tokens, E]`` logits."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert's gated MLP over ``rows`` ``[n, H]``."""
+    return F.linear(silu_and_mul(F.linear(rows, gate_up)), down)
+
+
+def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``[tokens, H]``: each token's ``[top_k, H]`` expert outputs weighted and summed."""
+    dtype = outputs.dtype
+    scale = weights if routing.float32_weights else weights.to(dtype)
+    return (outputs * scale[..., None]).to(dtype).sum(dim=1)
+
+
+def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Token by token, expert by expert, in torch's own ops."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], ids[t].tolist()):
+            gate, up = F.linear(x[t], gate_up[e]).chunk(2)
+            y = F.linear(F.silu(gate) * up, down[e])
+            scale = weight if routing.float32_weights else weight.to(x.dtype)
+            out[t] += (y * scale).to(x.dtype)
+    return out
+
+
+def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The pairs sorted by expert, each expert's GEMMs over its own rows."""
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pair i of the sorted rows is pair order[i]
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x[order // top_k]
+    sorted_out = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            sorted_out[start:start + n] = expert_mlp(rows[start:start + n], gate_up[e], down[e])
+            start += n
+    outputs = torch.empty_like(sorted_out)
+    outputs[order] = sorted_out
+    return weighted_sum(outputs.view(tokens, top_k, x.shape[1]), weights, routing)
+
+
+def moe_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Each pair's expert weights gathered, two batched matmuls; the grouped path where
+    there are more pairs than experts (the gathered copies would outweigh the weights)."""
+    tokens, top_k = ids.shape
+    if tokens * top_k > gate_up.shape[0]:
+        return moe_grouped(x, gate_up, down, weights, ids, routing)
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
+    hidden = silu_and_mul(torch.bmm(gate_up[flat], rows).squeeze(-1))
+    outputs = torch.bmm(down[flat], hidden.unsqueeze(-1)).squeeze(-1)
+    return weighted_sum(outputs.view(tokens, top_k, x.shape[1]), weights, routing)
+
+
+def moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The grouped computation in the Triton kernels of ``gpu/moe_triton.py``."""
+    from tidal.gpu.moe_triton import fused_experts
+
+    scales = weights if routing.float32_weights else weights.to(x.dtype)
+    return fused_experts(x, gate_up, down, scales, ids).sum(dim=1)
+
+
+def runs_on_triton(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the Triton path: on a GPU (unless ``TIDAL_GPU_KERNELS=off``),
+    or on the CPU in Triton's interpreter where tests ask (``layers.TRITON_ON_CPU``)."""
+    on_device = x.device.type == "cuda" or (layers.TRITON_ON_CPU and x.device.type == "cpu")
+    return on_device and layers.GPU_KERNELS and _triton_importable()
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MoePath = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    Routing], torch.Tensor]
+PATHS: dict[str, MoePath] = {GROUPED: moe_grouped, GATHERED: moe_gathered}
+
+
+class Experts(nn.Module):
+    """The experts' stacked weights (names as transformers 5's ``experts`` module)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class MoE(nn.Module):
+    """A sparse MoE block: the router ``gate`` and the ``experts``, run by the Triton path on
+    a GPU, on the CPU by the path its ``plan`` names for the step's row count (the grouped one
+    without a plan)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int,
+                 routing: Routing) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.routing = routing
+        self.plan: Plan | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_on_triton(x):
+            return self.run(x, moe_triton)
+        choice = self.plan.pick(x.shape[0]) if self.plan is not None else GROUPED
+        return self.run(x, PATHS[choice])
+
+    def run(self, x: torch.Tensor, path: MoePath) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.routing)
+        return path(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                    self.routing)
+
+    def plan_key(self) -> str:
+        """What the timed plan depends on: the experts' count, shapes and dtype."""
+        e, two_i, h = self.experts.gate_up_proj.shape
+        dtype = str(self.experts.gate_up_proj.dtype).removeprefix("torch.")
+        return f"moe|{e}e top{self.routing.top_k}|{h}x{two_i // 2}|{dtype}"
+
+    def candidates(self, rows: int) -> dict[str, Callable[[], object]]:
+        """The paths over ``rows`` random tokens, on this layer's own weights (a model's
+        experts are too large to copy for timing)."""
+        x = torch.randn(rows, self.gate.in_features).to(self.experts.gate_up_proj)
+        return {name: (lambda p=path: self.run(x, p)) for name, path in PATHS.items()}
+
