@@ -17,6 +17,8 @@ from starlette.requests import Request
 from tidal.app.admission import client_key
 from tidal.app.body_screen import LARGE_BODY_BYTES, parse_json_body, raise_refusal, screen
 from tidal.app.errors import ApiError
+from tidal.app.guard import CLOSE
+from tidal.app.refusals import refusal_key
 from tidal.app.server_state import ServerState
 from tidal.core.async_engine import EngineDeadError
 from tidal.core.lifecycle import TIMEOUT, Arrival
@@ -82,10 +84,15 @@ async def read_request(request: Request,
     The grammar then compiles within the request's ``timeout``."""
     arrived = time.monotonic()
     state = get_state(request)
-    raw = await read_body(request)
     share_by = state.settings.fair_share_by
-    if share_by != "user":  # the client is known before the body is parsed: 429 at once
-        state.admission.check_room(client_key(share_by, request.scope, request.headers, {}))
+    await state.refusals.hold(refusal_key(share_by, request.scope, request.headers))
+    if share_by != "user":  # the client is known before the body is read: 429 at once
+        try:
+            state.admission.check_room(client_key(share_by, request.scope, request.headers, {}))
+        except ApiError as exc:  # its body is left unread: the connection cannot go on
+            exc.headers = {**(exc.headers or {}), **CLOSE}
+            raise
+    raw = await read_body(request)
     if len(raw) > LARGE_BODY_BYTES:  # the caps on its objects, checked in another process
         settings = state.settings
         raise_refusal(await asyncio.get_running_loop().run_in_executor(

@@ -16,6 +16,7 @@ from tidal.app.admission import Admission
 from tidal.app.body_screen import screen_pool
 from tidal.app.chat_template import ChatTemplate
 from tidal.app.metrics import ServerMetrics
+from tidal.app.refusals import RefusalMeter
 from tidal.app.response_store import ResponseStore
 from tidal.core.token_decoders import token_bytes
 
@@ -110,6 +111,10 @@ class ServerState:
     def admission(self) -> Admission:
         return Admission(self.max_num_seqs, self.settings.max_waiting_seqs,
                          self.settings.max_waiting_seqs_per_client, self.metrics)
+
+    @functools.cached_property
+    def refusals(self) -> RefusalMeter:
+        return RefusalMeter()
 
     @functools.cached_property
     def prepare_pool(self) -> ThreadPoolExecutor:
