@@ -20,6 +20,7 @@ from tidal.app.handling import (
 )
 from tidal.app.metrics import RequestTracker
 from tidal.app.prepare import PreparedRequest, prepare_chat_request
+from tidal.app.prompt_logprobs import prompt_logprobs_json
 from tidal.app.server_state import ServerState
 from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
 from tidal.core.outputs import CompletionOutput, RequestOutput
@@ -126,7 +127,11 @@ async def complete_chat(state: ServerState, prep: PreparedRequest) -> tuple[int,
         choices.append({"index": comp.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
     generated = sum(len(c.token_ids) for c in final.outputs)
-    return 200, {
+    reply = {
         "id": prep.request_id, "object": "chat.completion", "created": prep.created,
         "model": prep.model, "choices": choices,
         "usage": usage(len(prep.prompt_token_ids), generated, final.num_cached_tokens)}
+    if prep.prompt_logprobs is not None:
+        reply["prompt_logprobs"] = prompt_logprobs_json(
+            final.prompt_logprobs, prep.prompt_token_ids, prep.prompt_logprobs)
+    return 200, reply

@@ -23,9 +23,10 @@ from tidal.app.handling import (
 )
 from tidal.app.metrics import RequestTracker
 from tidal.app.prepare import PreparedCompletion, prepare_completion_request
+from tidal.app.prompt_logprobs import echoed_entries, prompt_logprobs_json
 from tidal.app.server_state import ServerState
 from tidal.app.sse import DONE, DeferredJSONResponse, EventStreamResponse, sse_event
-from tidal.core.outputs import CompletionOutput, RequestOutput
+from tidal.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 
 
 async def completions(request: Request) -> Any:
@@ -109,20 +110,35 @@ async def stream_completion(run: _Run) -> AsyncIterator[bytes]:
             event["usage"] = None
         return sse_event(event)
 
-    if prep.echo:
-        for p_index, prompt in enumerate(prep.prompts):
-            for i in range(prep.params.n):
-                index = p_index * prep.params.n + i
-                logprobs = None
-                if prep.logprobs is not None:
-                    logprobs = completion_logprobs(state, prompt.token_ids,
-                                                   [None] * len(prompt.token_ids),
-                                                   prep.logprobs, 0)
-                offsets[index] = len(prompt.text)
-                yield chunk({"index": index, "text": prompt.text, "logprobs": logprobs,
-                             "finish_reason": None})
+    def echoes(p_index: int, out: RequestOutput | None) -> list[bytes]:
+        """The echoed prompt's chunk of each of its choices, with its scores once known."""
+        prompt = prep.prompts[p_index]
+        chunks = []
+        for i in range(prep.params.n):
+            index = p_index * prep.params.n + i
+            logprobs = None
+            if prep.logprobs is not None:
+                entries = echoed_entries(out and out.prompt_logprobs, len(prompt.token_ids))
+                logprobs = completion_logprobs(state, prompt.token_ids, entries, prep.logprobs,
+                                               0)
+            offsets[index] = len(prompt.text)
+            chunks.append(chunk({"index": index, "text": prompt.text, "logprobs": logprobs,
+                                 "finish_reason": None}))
+        return chunks
+
+    # the echo goes first; with logprobs, once the engine has scored that prompt
+    echoed = set(range(len(prep.prompts))) if not prep.echo else set()
+    if prep.echo and prep.logprobs is None:
+        for p_index in range(len(prep.prompts)):
+            for event in echoes(p_index, None):
+                yield event
+            echoed.add(p_index)
     try:
         async for p_index, out in run.deltas():
+            if p_index not in echoed:
+                echoed.add(p_index)
+                for event in echoes(p_index, out):
+                    yield event
             for comp in out.outputs:
                 if not comp.text and comp.finish_reason is None \
                         and not (prep.logprobs is not None and comp.token_ids):
@@ -170,14 +186,18 @@ async def complete_text(state: ServerState, prep: PreparedCompletion) -> tuple[i
     for p_index, prompt in enumerate(prep.prompts):
         for comp in finals[p_index].outputs:
             choices.append(_full_choice(state, prep, run.choice_index(p_index, comp), prompt,
-                                        comp))
+                                        comp, finals[p_index].prompt_logprobs))
+        if prep.prompt_logprobs is not None:
+            for choice in choices[-len(finals[p_index].outputs):]:
+                choice["prompt_logprobs"] = prompt_logprobs_json(
+                    finals[p_index].prompt_logprobs, prompt.token_ids, prep.prompt_logprobs)
     choices.sort(key=lambda c: c["index"])
     return 200, {"id": prep.request_id, "object": "text_completion", "created": prep.created,
                  "model": prep.model, "choices": choices, "usage": run.usage()}
 
 
 def _full_choice(state: ServerState, prep: PreparedCompletion, index: int, prompt: Any,
-                 comp: CompletionOutput) -> dict[str, Any]:
+                 comp: CompletionOutput, scores: PromptLogprobs | None) -> dict[str, Any]:
     text = prompt.text + comp.text if prep.echo else comp.text
     logprobs = None
     if prep.logprobs is not None:
@@ -185,7 +205,7 @@ def _full_choice(state: ServerState, prep: PreparedCompletion, index: int, promp
         entries: list[dict[int, float] | None] = list(comp.logprobs or [])
         if prep.echo:
             token_ids = prompt.token_ids + token_ids
-            entries = [None] * len(prompt.token_ids) + entries
+            entries = echoed_entries(scores, len(prompt.token_ids)) + entries
         logprobs = completion_logprobs(state, token_ids, entries, prep.logprobs, 0)
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": comp.finish_reason}

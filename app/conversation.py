@@ -53,10 +53,12 @@ def call_for_template(call: Any) -> Any:
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True) -> str:
     start = time.perf_counter()
     try:
-        return state.chat_template.render(messages, tools=tools, extra=template_kwargs)
+        return state.chat_template.render(messages, add_generation_prompt, tools=tools,
+                                          extra=template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None

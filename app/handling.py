@@ -281,6 +281,10 @@ def completion_logprobs(state: ServerState, token_ids: list[int],
         values.append(value)
         # the sampled token always among them, as OpenAI's and vLLM's: up to ``top`` + 1
         top_entries = dict(sorted_top(entry, top)) | {token_id: value}
-        tops.append({state.token_text(t): lp for t, lp in top_entries.items()})
+        texts: dict[str, float] = {}
+        for t, lp in top_entries.items():  # tokens of the same text: the likeliest's
+            text = state.token_text(t)
+            texts[text] = max(lp, texts.get(text, lp))
+        tops.append(texts)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}

@@ -66,6 +66,7 @@ class PreparedRequest:
     stream_options: StreamFlags = field(default_factory=StreamFlags)
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # With truncation: how many of the oldest non-system messages were left out to fit the
     # context; ``None`` when truncation was not asked for.
@@ -95,6 +96,7 @@ class PreparedCompletion:
     stream_options: StreamFlags = field(default_factory=StreamFlags)
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # as asked (``params`` may score more, for ``echo``)
     created: int = field(default_factory=lambda: int(time.time()))
     timeout: float | None = None
     priority: int = 0
@@ -123,7 +125,7 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     stream = _stream_flags(req)
-    messages = [_message(m) for m in req.messages]
+    messages = [template_message(m) for m in req.messages]
     for i, m in enumerate(req.messages):
         if m.content is None and m.role != "assistant":
             raise bad_request(f"Invalid request: messages[{i}].content: this field is "
@@ -135,9 +137,13 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     top = req.top_logprobs or 0
+    _check_prompt_logprobs(req)
+    if max_tokens == 0:
+        raise bad_request(f"Invalid request: {max_field} must be at least 1", max_field)
     params = _sampling_params(req, state, max_tokens=max_tokens,
                               logprobs=top if req.logprobs else None, names={
-                                  "max_tokens": max_field, "logprobs": "top_logprobs"})
+                                  "max_tokens": max_field, "logprobs": "top_logprobs"},
+                              prompt_logprobs=req.prompt_logprobs)
     params = _constrained(params, req, tool_spec)
     tools = tool_use.tools if tool_use is not None else None
     if tool_use is not None and tool_use.parser.special_markers:
@@ -156,18 +162,19 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         params = params.clone(structured_outputs=after_thinking(params.structured_outputs,
                                                                 reasoning))
     params = _fit_context(state, len(token_ids), params, "messages", max_field)
-    _check_token_ids(state, token_ids, "messages")
+    check_client_token_ids(state, token_ids, "messages")
     check_request_tokens(state, [len(token_ids)], params, max_field)
     return PreparedRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, prompt=prompt,
         prompt_token_ids=token_ids, params=params, stream=bool(req.stream),
         stream_options=stream, logprobs=bool(req.logprobs), top_logprobs=top,
+        prompt_logprobs=req.prompt_logprobs,
         dropped_messages=dropped, tool_use=tool_use, timeout=request_timeout(req, state),
         priority=request_priority(req, state),
         reasoning=reasoning)
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as the chat template takes it: string content, and the tool fields given."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls is not None:
@@ -198,10 +205,11 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
             ids = encode_prompt(state, prompt, param)
             prompts.append(PromptInput(prompt, ids))
         else:
-            _check_token_ids(state, prompt, param)
+            check_client_token_ids(state, prompt, param)
             prompts.append(PromptInput(state.tokenizer.decode(prompt), list(prompt)))
     params = _constrained(_sampling_params(req, state, max_tokens=req.max_tokens,
-                                           logprobs=req.logprobs), req)
+                                           logprobs=req.logprobs,
+                                           prompt_logprobs=_prompt_scores(req)), req)
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         _fit_context(state, len(prompt.token_ids), params, param, "max_tokens")
@@ -209,8 +217,29 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
     return PreparedCompletion(
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
-        logprobs=req.logprobs, timeout=request_timeout(req, state),
-        priority=request_priority(req, state))
+        logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+        timeout=request_timeout(req, state), priority=request_priority(req, state))
+
+
+def _check_prompt_logprobs(req: SamplingFields) -> None:
+    """Prompt logprobs come whole, in a reply's first part: not in a stream (as vLLM)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
+
+
+def _prompt_scores(req: CompletionRequest) -> int | None:
+    """The top-k of each prompt position the engine computes for a completion: what
+    ``prompt_logprobs`` asks, and what ``echo`` with ``logprobs`` shows of the echoed prompt.
+    ``max_tokens`` 0 (only with ``echo``, as OpenAI's and vLLM's) scores the prompt alone."""
+    _check_prompt_logprobs(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("Invalid request: max_tokens may be 0 only with echo", "max_tokens")
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
+             if k is not None]
+    if asked:
+        return max(asked)
+    return 0 if req.max_tokens == 0 else None
 
 
 def check_request_tokens(state: ServerState, prompt_lengths: list[int],
@@ -261,8 +290,8 @@ def _stream_flags(req: SamplingFields) -> StreamFlags:
 
 
 def _sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None,
-                     logprobs: int | None, names: dict[str, str] | None = None
-                     ) -> SamplingParams:
+                     logprobs: int | None, names: dict[str, str] | None = None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """Build ``SamplingParams``; its ``ValueError`` names the field, mapped back to the
     request's own field name through ``names``."""
     values: dict[str, Any] = {
@@ -276,8 +305,9 @@ def _sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | 
         "skip_special_tokens": req.skip_special_tokens,
     }
     values = {k: v for k, v in values.items() if v is not None}
-    _check_token_ids(state, req.stop_token_ids or [], "stop_token_ids")
+    check_client_token_ids(state, req.stop_token_ids or [], "stop_token_ids")
     values.update(stop=req.stop, max_tokens=max_tokens, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs,
                   logit_bias=_logit_bias(req.logit_bias, state))
     try:
         return SamplingParams(**values)
@@ -300,13 +330,13 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
                               "logit_bias") from None
-        _check_token_ids(state, [token_id], "logit_bias", what="logit_bias token id")
+        check_client_token_ids(state, [token_id], "logit_bias", what="logit_bias token id")
         out[token_id] = value
     return out
 
 
-def _check_token_ids(state: ServerState, token_ids: list[int], param: str,
-                     what: str = "token id") -> None:
+def check_client_token_ids(state: ServerState, token_ids: list[int], param: str,
+                           what: str = "token id") -> None:
     try:
         check_token_ids(token_ids, state.vocab_size, what)
     except ValueError as exc:

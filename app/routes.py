@@ -31,6 +31,7 @@ from tidal.app.refusals import refusal_key
 from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
 from tidal.app.responses import create_response, delete_response, get_response
 from tidal.app.server_state import ServerSettings, ServerState
+from tidal.app.tokenizing import detokenize, tokenize
 from tidal.app.tracing import install as install_request_tracing
 from tidal.app.websocket import chat_page, chat_websocket
 
@@ -64,6 +65,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
             Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             # what routers in front of several replicas probe (app/replica.py)

@@ -54,6 +54,8 @@ class SamplingFields(_Model):
     user: str | None = None
     response_format: Any = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: Any = None  # vLLM's: json, regex, choice, grammar, ...
+    # vLLM's: the logprob of each prompt token and the top-k of its position
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # seconds the request may wait and run, from its arrival (the server's own limit, if
     # lower, wins)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -108,11 +110,16 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                    "unk_token", "pad_token"} & set(value or {})
-        if reserved:
-            raise ValueError(f"{', '.join(sorted(reserved))} cannot be set here")
-        return value
+        return check_template_kwargs(value)
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` may not replace the names the template is rendered with."""
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                "unk_token", "pad_token"} & set(value or {})
+    if reserved:
+        raise ValueError(f"{', '.join(sorted(reserved))} cannot be set here")
+    return value
 
 
 class CompletionRequest(SamplingFields):
@@ -156,6 +163,30 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     background: bool | None = False  # not offered
+
+
+class TokenizeRequest(_Model):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` through the template."""
+
+    model: str | None = None  # None: the served model
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+
+class DetokenizeRequest(_Model):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _is_int(value: Any) -> bool:

@@ -27,6 +27,7 @@ class ParentRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     num_finished: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False  # once, from the first child whose prompt is scored
 
 
 @dataclass
@@ -122,6 +123,11 @@ class OutputProcessor:
                                 False, parent.num_cached_tokens)
             by_parent[parent.request_id] = out
         out.outputs.append(completion)
+        scores = request.prompt_scores
+        if scores is not None and scores.complete and not parent.prompt_logprobs_sent:
+            parent.prompt_logprobs_sent = True
+            out.prompt_logprobs = scores.as_vllm(
+                self._token_text if request.sampling_params.detokenize else None)
         if completion.finish_reason is not None:
             out.finished_stats.append(request_stats(request))
         if request.error:
@@ -129,6 +135,9 @@ class OutputProcessor:
         if parent.num_finished == len(parent.children):
             out.finished = True
             del self.parents[parent.request_id]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def request_stats(request: Request) -> RequestStats:

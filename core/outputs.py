@@ -14,6 +14,20 @@ TokenLogprobs = dict[int, float]
 
 
 @dataclass(slots=True)
+class Logprob:
+    """A prompt token's logprob in vLLM's shape (``RequestOutput.prompt_logprobs``)."""
+
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token at its position
+    decoded_token: str | None = None
+
+
+# ``None`` for the first prompt token, then per token {token_id: Logprob}: the actual token
+# and the top-k (core/prompt_logprobs.py)
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence (one of ``n`` choices) of a request."""
 
@@ -43,6 +57,8 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # the lifecycle of each engine request (choice) that finished in this delta
     finished_stats: list[RequestStats] = field(default_factory=list)
+    # with ``SamplingParams.prompt_logprobs``: in the first delta after the prompt is scored
+    prompt_logprobs: PromptLogprobs | None = None
 
     def merge(self, newer: RequestOutput) -> None:
         """Fold a later delta into this one (text and ids concatenated, logprobs extended)."""
@@ -65,6 +81,8 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, newer.num_cached_tokens)
         self.metrics.update(newer.metrics)
         self.finished_stats.extend(newer.finished_stats)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = newer.prompt_logprobs
 
 
 class RequestOutputCollector:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from tidal.core.lifecycle import RequestTimes
+from tidal.core.prompt_logprobs import PromptScores
 from tidal.core.sampling_params import SamplingParams
 
 
@@ -84,6 +85,9 @@ class Request:
         self.stop_token_set = frozenset(stops)  # ids that finish it once past min_tokens
         # the scheduler caps it by the model's context as well
         self.max_output_tokens = params.max_tokens if params.max_tokens is not None else sys.maxsize
+        # its prompt's logprobs, gathered chunk by chunk, when it asks for them
+        self.prompt_scores = (PromptScores(self.num_prompt_tokens)
+                              if params.prompt_logprobs is not None else None)
 
     @property
     def is_finished(self) -> bool:

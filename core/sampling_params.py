@@ -15,6 +15,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+MAX_LOGPROBS = 20  # the most top logprobs a token (sampled or prompt) may ask for
 
 
 @dataclass
@@ -40,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token; 0 = only the sampled one
+    # top-k logprobs per prompt token, with the token's own (core/prompt_logprobs.py); with
+    # them, ``max_tokens`` may be 0: the prompt is scored and nothing generated
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: token ids only, no text (offline use that wants ids, as HF ``generate`` gives)
@@ -71,7 +75,10 @@ class SamplingParams:
         # logits are divided by it in float32, where anything smaller is 0
         _check_range("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, None)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
+            _check_int("max_tokens", self.max_tokens,
+                       lo=0 if self.prompt_logprobs is not None else 1,
+                       note="" if self.prompt_logprobs is not None
+                       else " (0 only with prompt_logprobs)")
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -80,7 +87,9 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if self.stop and not self.detokenize:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.lifecycle import RateLimitedWarning
 from tidal.core.outputs import TokenLogprobs
+from tidal.core.prompt_logprobs import add_prompt_chunks
 from tidal.core.request import Request, RequestStatus
 from tidal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tidal.core.scheduler_sharing import BatchSharing, rank
@@ -108,7 +109,8 @@ class Scheduler(BatchSharing):
         if request.num_prompt_tokens >= max_len:
             return (f"the prompt has {request.num_prompt_tokens} tokens but the model's context "
                     f"is {max_len} tokens, leaving no room to generate")
-        max_tokens = request.sampling_params.max_tokens or max_len
+        max_tokens = request.sampling_params.max_tokens
+        max_tokens = max_len if max_tokens is None else max_tokens
         longest = min(request.num_prompt_tokens + max_tokens, max_len)
         if self.kv.blocks_needed(longest) > self.kv.num_blocks:
             return (f"the request may need {longest} tokens of KV cache but the whole cache "
@@ -333,7 +335,9 @@ class Scheduler(BatchSharing):
                 continue
             if request.num_output_placeholders:
                 break  # preempted while a step was in flight: resume once its token is in
-            hits, num_hit = self.kv.get_computed_blocks(request)
+            # no prefix hit for a request scoring its prompt: every position must run
+            hits, num_hit = (self.kv.get_computed_blocks(request)
+                             if request.prompt_scores is None else ([], 0))
             n, cost = self._chunk(request.num_tokens - num_hit, num_hit, budget)
             new_blocks = self.kv.allocate_slots(request, n, hits, num_hit)
             if new_blocks is None:
@@ -370,12 +374,19 @@ class Scheduler(BatchSharing):
         requests = self.requests
         logprobs = output.logprobs
         now = time.monotonic()
+        if output.prompt_logprobs:
+            add_prompt_chunks(requests, output.prompt_logprobs)
         for i, (req_id, token_id) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             request = requests.get(req_id)  # only unfinished requests are in it
             if request is None:
                 continue  # finished (aborted, say) while the step ran
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if request.max_output_tokens == 0:  # its prompt scored: done, the token dropped
+                self._dequeue(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                updates.append(RequestUpdate(request, [], None, True))
+                continue
             request.append_output_token(token_id)
             times = request.times
             if times.first_token is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tidal.core.outputs import TokenLogprobs
+from tidal.core.prompt_logprobs import PromptLogprobsChunk
 from tidal.core.sampling_params import SamplingParams
 
 
@@ -59,6 +60,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]  # one per request
     logprobs: list[TokenLogprobs] | None = None  # one per request
+    # the prompt positions this step scored, of the requests asking for prompt logprobs
+    # (whether or not they sample)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

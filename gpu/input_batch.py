@@ -55,6 +55,9 @@ class InputBatch:
         # requests whose sampling needs metadata (not plain greedy, or logprobs): while there
         # are none, a step's metadata is built without looking at its rows
         self.num_needing_metadata = 0
+        # requests asking for prompt logprobs: while there are none, a step looks for no
+        # prompt positions to score (gpu/prompt_logprobs.py)
+        self.num_prompt_logprobs = 0
 
     def add(self, new: NewRequestData) -> None:
         self.remove(new.req_id, keep_generator=True)  # a resumed request comes back in full
@@ -71,6 +74,7 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens, params=new.sampling_params,
             generator=generator, num_blocks=len(new.block_ids), eos_token_id=new.eos_token_id)
         self.num_needing_metadata += needs_metadata(new.sampling_params)
+        self.num_prompt_logprobs += new.sampling_params.prompt_logprobs is not None
 
     def add_blocks(self, req_id: str, block_ids: list[int]) -> None:
         state = self.states[req_id]
@@ -84,6 +88,7 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
             self.num_needing_metadata -= needs_metadata(state.params)
+            self.num_prompt_logprobs -= state.params.prompt_logprobs is not None
             if keep_generator and state.generator is not None:
                 self._parked_generators[req_id] = state.generator
         if not keep_generator:

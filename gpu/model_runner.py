@@ -27,6 +27,7 @@ from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
+from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
 from tidal.gpu.step_handle import StepHandle
@@ -314,6 +315,7 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
+        prompt_rows = plan_prompt_rows(self.batch, sched)  # before the inputs advance it
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
         if before_forward is not None:
@@ -323,9 +325,12 @@ class ModelRunner:
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self._watched_forward(inputs)
+        prompt_scores = (None if prompt_rows is None else
+                         score_prompt_rows(prompt_rows, hidden, self.model.compute_logits,
+                                           self._to_device))
         if not inputs.sampling_states:
             prof.lap("forward")
-            return StepHandle(self.batch, [], [], None)
+            return StepHandle(self.batch, [], [], None, prompt_scores)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(hidden).float()
@@ -342,7 +347,7 @@ class ModelRunner:
         self._last_sampled = sampled.sampled_token_ids
         self._last_index = dict(zip(req_ids, range(len(req_ids))))
         prof.lap("sample")
-        return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled)
+        return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled, prompt_scores)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.preempted_req_ids:

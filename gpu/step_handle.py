@@ -3,47 +3,61 @@
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import TypeVar
 
 import torch
 
 from tidal.core.outputs import TokenLogprobs
 from tidal.core.scheduler_output import ModelRunnerOutput
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.prompt_logprobs import PromptScoresOut
 from tidal.gpu.sampler import SamplerOutput
 
 
 class StepHandle:
-    """A launched step's sampled tokens, copied to (pinned) host memory without blocking;
-    ``result()`` waits on the copy's event, never on the whole device."""
+    """A launched step's sampled tokens (and prompt scores), copied to (pinned) host memory
+    without blocking; ``result()`` waits on the copy's event, never on the whole device."""
 
     def __init__(self, batch: InputBatch, states: list[CachedRequestState], req_ids: list[str],
-                 sampled: SamplerOutput | None) -> None:
+                 sampled: SamplerOutput | None,
+                 prompt_scores: PromptScoresOut | None = None) -> None:
         self.batch, self.states, self.req_ids, self.sampled = batch, states, req_ids, sampled
+        self.prompt_scores = prompt_scores
         self._event = None
-        if sampled is None:
-            return
-        if sampled.sampled_token_ids.is_cuda:  # every tensor of it, so reading none syncs
-            self.sampled = sampled = _copy_to_pinned(sampled)
+        on_gpu = False
+        if sampled is not None and sampled.sampled_token_ids.is_cuda:
+            self.sampled = sampled = _copy_to_pinned(sampled)  # every tensor: reading none syncs
+            on_gpu = True
+        if prompt_scores is not None and prompt_scores.ranks.is_cuda:
+            self.prompt_scores = _copy_to_pinned(prompt_scores)
+            on_gpu = True
+        if on_gpu:
             self._event = torch.cuda.Event()
             self._event.record()
-        self._host_ids = sampled.sampled_token_ids
 
     def result(self) -> ModelRunnerOutput:
-        if self.sampled is None:
+        if self.sampled is None and self.prompt_scores is None:
             return ModelRunnerOutput.empty()
         if self._event is not None:
             self._event.synchronize()
-        token_ids = self._host_ids.tolist()
+        prompt = None if self.prompt_scores is None else self.prompt_scores.chunks()
+        if self.sampled is None:
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt)
+        token_ids = self.sampled.sampled_token_ids.tolist()
         self.batch.append_tokens(self.states, token_ids)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=token_ids,
             logprobs=_logprobs_dicts(self.states, self.sampled),
+            prompt_logprobs=prompt,
         )
 
 
-def _copy_to_pinned(sampled: SamplerOutput) -> SamplerOutput:
-    """The sampler's device tensors, copied to pinned host memory without blocking."""
+Copied = TypeVar("Copied", SamplerOutput, PromptScoresOut)
+
+
+def _copy_to_pinned(sampled: Copied) -> Copied:
+    """A dataclass's device tensors, copied to pinned host memory without blocking."""
     host = {}
     for f in fields(sampled):
         value = getattr(sampled, f.name)

@@ -186,8 +186,8 @@ def test_completion_logprobs_and_echo(server: Server, client: openai.OpenAI) -> 
     lp = choice.logprobs
     num_prompt = out.usage.prompt_tokens
     assert len(lp.tokens) == num_prompt + 5 == len(lp.token_logprobs) == len(lp.text_offset)
-    assert lp.token_logprobs[:num_prompt] == [None] * num_prompt
-    assert all(v is not None and v <= 0 for v in lp.token_logprobs[num_prompt:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the prompt, scored
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert all(len(t) <= 2 for t in lp.top_logprobs[num_prompt:])
     assert "".join(lp.tokens) == choice.text
     plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=5,
