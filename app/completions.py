@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 
 from tidal.app.admission import Admitted
+from tidal.app.beam_completions import beam_completion
 from tidal.app.errors import ApiError
 from tidal.app.handling import (
     completion_logprobs,
@@ -35,6 +36,8 @@ async def completions(request: Request) -> Any:
     n = prepared.params.n
     seqs = min(len(prepared.prompts), _prompts_in_flight(state, n)) * n
     ticket = state.admission.admit(prepared.arrival.client, seqs)  # 429 past its limits
+    if prepared.beam is not None:
+        return Admitted(DeferredJSONResponse(lambda: beam_completion(state, prepared)), ticket)
     if prepared.stream:
         run = _Run(state, prepared)
         return Admitted(EventStreamResponse(stream_completion(run), on_sent=run.sent), ticket)

@@ -38,6 +38,7 @@ from tidal.app.structured import (
     reply_constraint,
     tool_constraint,
 )
+from tidal.core.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from tidal.core.lifecycle import Arrival
 from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.structured_output import StructuredOutputsParams
@@ -100,6 +101,7 @@ class PreparedCompletion:
     created: int = field(default_factory=lambda: int(time.time()))
     timeout: float | None = None
     priority: int = 0
+    beam: BeamSearchParams | None = None  # use_beam_search: the search's settings
     arrival: Arrival | None = None
 
 
@@ -214,7 +216,12 @@ def prepare_completion_request(body: dict[str, Any], state: ServerState
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         _fit_context(state, len(prompt.token_ids), params, param, "max_tokens")
     check_request_tokens(state, [len(p.token_ids) for p in prompts], params, "max_tokens")
+    longest = max(len(p.token_ids) for p in prompts)
+    beam = beam_search_params(req, params, reply_budget(params.max_tokens, longest,
+                                                        state.context_tokens)
+                              ) if req.use_beam_search else None
     return PreparedCompletion(
+        beam=beam,
         request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model, prompts=prompts, params=params,
         stream=bool(req.stream), stream_options=stream, echo=bool(req.echo),
         logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
@@ -263,6 +270,22 @@ def request_timeout(req: SamplingFields, state: ServerState) -> float | None:
     """The request's ``timeout``, capped by the server's ``--request-timeout``."""
     limits = [t for t in (req.timeout, state.settings.request_timeout) if t is not None]
     return min(limits) if limits else None
+
+
+def beam_search_params(req: CompletionRequest, params: SamplingParams,
+                       max_tokens: int) -> BeamSearchParams:
+    """A beam-search completion's settings: ``n`` beams of up to ``max_tokens`` tokens (the
+    room the context leaves where unset). What a beam search cannot do is a 400 naming it."""
+    for name, unsupported in (("stream", req.stream), ("logprobs", req.logprobs is not None),
+                              ("prompt_logprobs", req.prompt_logprobs is not None),
+                              ("structured_outputs", params.structured_outputs is not None)):
+        if unsupported:
+            raise bad_request(f"{name} is not available with use_beam_search", name)
+    if not 1 <= params.n <= MAX_BEAM_WIDTH:
+        raise bad_request(f"use_beam_search takes n from 1 to {MAX_BEAM_WIDTH} beams", "n")
+    return BeamSearchParams(params.n, max(1, max_tokens), ignore_eos=params.ignore_eos,
+                            length_penalty=req.length_penalty,
+                            early_stopping=req.early_stopping)
 
 
 def request_priority(req: SamplingFields, state: ServerState) -> int:

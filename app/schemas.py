@@ -126,6 +126,19 @@ class CompletionRequest(SamplingFields):
     prompt: Any
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    # vLLM's beam search: ``n`` beams, scored as HF's generate (core/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
+    early_stopping: Any = False  # True, False or "never"
+
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping(cls, value: Any) -> bool | str:
+        if value is None:
+            return False
+        if value is True or value is False or value == "never":
+            return value
+        raise ValueError('must be true, false or "never"')
 
     @field_validator("prompt", mode="before")
     @classmethod

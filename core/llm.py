@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from tidal.core.beam_search import BeamSearch, BeamSearchParams, BeamSequence
 from tidal.core.chat_messages import content_text
 from tidal.core.config import EngineConfig
 from tidal.core.engine_core import EngineCore
@@ -74,6 +75,31 @@ class LLM:
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, params, use_tqdm)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams) -> list[list[BeamSequence]]:
+        """Each prompt's ``params.beam_width`` best beams, best first, as HF's
+        ``generate(num_beams=...)`` finds them (``core/beam_search.py``); a round of
+        one-token requests, one per running beam of every prompt, at a time."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        searches = [BeamSearch(self._token_ids(p), params, self.engine.eos_token_ids)
+                    for p in prompts]  # type: ignore[union-attr]
+        while live := [s for s in searches if not s.done]:
+            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=live[0].top_k,
+                                  ignore_eos=True)
+            ids = [[self._add(seq, step) for seq in s.requests()] for s in live]
+            results = self._run([i for group in ids for i in group], use_tqdm=False)
+            for search, group in zip(live, ids):
+                search.advance([results[i].outputs[0].logprobs[0] for i in group])
+        beams = [s.results() for s in searches]
+        for found in beams:
+            for beam in found:
+                beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
+        return beams
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
     def _params_per_prompt(self, params: SamplingParams | Sequence[SamplingParams] | None,
                            n: int) -> list[SamplingParams]:
         if params is None:
@@ -89,10 +115,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self._token_ids(prompt)
         self.engine.add_request(request_id, token_ids, params, prompt=text,
                                 arrival=Arrival(priority=priority))
         return request_id
