@@ -125,14 +125,15 @@ def _error_text(error: Any) -> str:
 
 
 async def one_request(client: aiohttp.ClientSession, model: str, prompt: Prompt,
-                      output_len: int, flavor: str = "tidal") -> RequestResult:
+                      output_len: int, flavor: str = "tidal",
+                      extra: dict[str, Any] | None = None) -> RequestResult:
     """Stream one completion, timing every chunk that carries text.
 
     A stream counts as complete at ``[DONE]``, or at its end once a choice has reported a
     ``finish_reason`` (servers that send no ``[DONE]``). Without usage in the stream, the
     output token count is the number of chunks with text.
     """
-    body = request_body(flavor, model, prompt, output_len)
+    body = request_body(flavor, model, prompt, output_len) | (extra or {})
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last: float | None = None
@@ -190,6 +191,7 @@ class RequestClass:
 
     work: Workload
     prompts: list[Prompt] | None = None  # None: random token ids of work.input_len
+    extra: dict[str, Any] | None = None  # fields added to each body (``priority``, ...)
 
 
 async def _send_class(client: aiohttp.ClientSession, model: str, cls: RequestClass,
@@ -201,7 +203,8 @@ async def _send_class(client: aiohttp.ClientSession, model: str, cls: RequestCla
 
     async def limited(prompt: Prompt) -> RequestResult:
         async with limit:
-            return await one_request(client, model, prompt, work.output_len, flavor)
+            return await one_request(client, model, prompt, work.output_len, flavor,
+                                     cls.extra)
 
     tasks = []
     for prompt in prompts:
