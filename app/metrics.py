@@ -102,8 +102,15 @@ class _EngineStatsCollector:
                                 "Prefix-cache hits over queries since start (tokens).",
                                 value=rate)
         yield CounterMetricFamily("tidal:num_preemptions",
-                                  "Requests preempted for lack of KV cache.",
+                                  "Requests preempted, for any reason.",
                                   value=stats.num_preemptions)
+        by_reason = CounterMetricFamily(
+            "tidal:preemptions_by_reason", "Requests preempted: for lack of KV cache, for "
+            "another client's fair share of the batch, or for a higher priority.",
+            labels=["reason"])
+        for reason in ("kv_cache", "fair_share", "priority"):
+            by_reason.add_metric([reason], stats.preemptions_by_reason.get(reason, 0))
+        yield by_reason
         yield GaugeMetricFamily("tidal:num_clients_waiting",
                                 "Clients with a request waiting to be scheduled (taken "
                                 "round-robin).", value=stats.num_waiting_clients)

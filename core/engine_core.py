@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.core.config import EngineConfig, load_tokenizer
 from tidal.core.executor import StepResult, create_executor
@@ -47,6 +47,8 @@ class EngineStats:
     max_waiting_per_client: int = 0  # requests (sequences) the most-waiting client has queued
     grammar_cache_bytes: int = 0  # the compiled-grammar cache's size estimate
     grammar_compile_timeouts: int = 0  # compiles failed for running past their time limit
+    # preemptions by why: "kv_cache", "fair_share", "priority"
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -238,7 +240,8 @@ class EngineCore:
             num_waiting_clients=self.scheduler.waiting.num_clients,
             max_waiting_per_client=self.scheduler.waiting.max_per_client,
             grammar_cache_bytes=self.structured.compiler.cache_size,
-            grammar_compile_timeouts=self.structured.compiler.num_timeouts)
+            grammar_compile_timeouts=self.structured.compiler.num_timeouts,
+            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason))
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""

@@ -75,6 +75,8 @@ class Scheduler(BatchSharing):
                                                    else FairQueue())
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # why: "kv_cache" (none left), "fair_share" (another client's slot), "priority"
+        self.preemptions_by_reason: Counter[str] = Counter()
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
         self._grammar_failures: list[Request] = []  # finished since the last take
         self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
@@ -276,12 +278,13 @@ class Scheduler(BatchSharing):
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, reason: str = "kv_cache") -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_reason[reason] += 1
         self.waiting.appendleft(request)
         request.times.events.append(("preempted", self._now))
         self._preemption_warning.warn("Request %s preempted. KV blocks freed.",

@@ -24,7 +24,7 @@ class BatchSharing:
     running: list[Request]
     waiting: FairQueue | PriorityQueue
     service: ServiceCounters
-    _preempt: Callable[[Request], None]  # the scheduler's: frees its KV, back to waiting
+    _preempt: Callable[[Request, str], None]  # the scheduler's (the request, why)
 
     def _make_room_for_priority(self, budget: int, preempted: list[Request]) -> None:
         """With the batch full, or too few free KV blocks for its first chunk (counted
@@ -40,7 +40,7 @@ class BatchSharing:
                     and needed <= self.kv.pool.num_free_blocks):
                 return
             self.running.pop()
-            self._preempt(worst)
+            self._preempt(worst, "priority")
             preempted.append(worst)
 
     def _fair_share(self) -> int | None:
@@ -81,7 +81,7 @@ class BatchSharing:
                 return
             victim = next(r for r in reversed(self.running) if r.client == greedy)
             self.running.remove(victim)
-            self._preempt(victim)
+            self._preempt(victim, "fair_share")
             preempted.append(victim)
             counts[greedy] -= 1
             counts[client] += 1  # the slot it is about to take

@@ -91,3 +91,6 @@ def test_a_high_priority_request_overtakes_a_running_stream(
         assert answer.json()["choices"][0]["finish_reason"] == "length"
         assert done == {"high": 0, "low": 1}, "the stream finished before the urgent request"
         assert engine.core.scheduler.num_preemptions >= 1
+        metrics = client.get("/metrics").text
+        assert 'tidal:preemptions_by_reason_total{reason="priority"} 1.0' in metrics
+        assert 'tidal:preemptions_by_reason_total{reason="kv_cache"} 0.0' in metrics

@@ -60,6 +60,7 @@ def test_a_higher_priority_preempts_the_worst_running_when_the_batch_is_full():
     s.add_request(_request("urgent", 0, 3.0, max_tokens=5))
     out = _step(s)
     assert out.preempted_req_ids == {"low-late"}
+    assert s.preemptions_by_reason == {"priority": 1}
     assert "urgent" in out.num_scheduled_tokens
     assert [r.request_id for r in s.running] == ["urgent", "low-early"]
     s.add_request(_request("low-later", 5, 4.0))  # arrives after the preempted one

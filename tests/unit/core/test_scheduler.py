@@ -212,6 +212,7 @@ def test_a_waiting_client_takes_a_slot_from_a_client_holding_them_all():
     s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=50), client="B"))
     out = _step(s)
     assert "b" in out.num_scheduled_tokens and out.preempted_req_ids == {"a3"}
+    assert s.preemptions_by_reason == {"fair_share": 1}
     assert sorted(r.request_id for r in s.running) == ["a0", "a1", "a2", "b"]
     for _ in range(3):
         out = _step(s)
