@@ -24,6 +24,10 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 
 
+def _offload_bytes(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_bytes(text)
+
+
 def parse_bytes(text: str) -> int:
     """``"1073741824"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
@@ -140,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="bytes of KV cache, e.g. 2GiB (default: 1 GiB on CPU; on GPU "
                         "what --gpu-memory-utilization leaves)")
+    engine.add_argument("--kv-offload-size", type=_offload_bytes, default=0,
+                        help="bytes of host memory for a second tier of KV blocks, e.g. 8GiB: "
+                        "prefix blocks the cache evicts are kept there and copied back on a "
+                        "hit instead of computed again (default: none)")
     engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                         choices=KV_CACHE_DTYPES,
                         help="'auto' keeps the KV cache in the model's dtype; 'int8' stores it "

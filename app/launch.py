@@ -40,6 +40,7 @@ def serve(args: argparse.Namespace) -> int:
             device=args.device,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+            kv_offload_size=args.kv_offload_size,
             kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,

@@ -111,6 +111,18 @@ class _EngineStatsCollector:
         for reason in ("kv_cache", "fair_share", "priority"):
             by_reason.add_metric([reason], stats.preemptions_by_reason.get(reason, 0))
         yield by_reason
+        host = GaugeMetricFamily("tidal:kv_host_tier_blocks",
+                                 "Blocks of the KV cache's host tier (--kv-offload-size): all "
+                                 "of them, and those holding a prefix block.", labels=["state"])
+        host.add_metric(["total"], stats.host_tier_blocks)
+        host.add_metric(["used"], stats.host_tier_used)
+        yield host
+        yield CounterMetricFamily("tidal:kv_host_tier_stored",
+                                  "Prefix blocks the device cache evicted into the host tier.",
+                                  value=stats.host_tier_stored)
+        yield CounterMetricFamily("tidal:kv_host_tier_hits",
+                                  "Blocks copied back from the host tier for a prefix hit.",
+                                  value=stats.host_tier_hits)
         yield GaugeMetricFamily("tidal:num_clients_waiting",
                                 "Clients with a request waiting to be scheduled (taken "
                                 "round-robin).", value=stats.num_waiting_clients)

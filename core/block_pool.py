@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -71,6 +71,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # told of each cached block about to be reused (the host tier keeps it)
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -92,6 +94,9 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None \
+                    and self.cached.get(block.block_hash) is block:
+                self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

@@ -45,6 +45,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU
+    # bytes of host memory for the KV cache's second tier (core/host_tier.py); 0: none
+    kv_offload_size: int = 0
     # "auto" (the model's dtype) or "int8" (8-bit values, a float32 scale per token and KV
     # head: gpu/attention/kv_quant.py)
     kv_cache_dtype: str = "auto"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tidal.core.config import EngineConfig, load_tokenizer
 from tidal.core.executor import StepResult, create_executor
+from tidal.core.host_tier import HostTier
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.lifecycle import TIMEOUT, Arrival
 from tidal.core.output_processor import OutputProcessor, ParentRequest
@@ -49,6 +50,11 @@ class EngineStats:
     grammar_compile_timeouts: int = 0  # compiles failed for running past their time limit
     # preemptions by why: "kv_cache", "fair_share", "priority"
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    # the host tier (--kv-offload-size): its blocks, those in use, copied out, copied back
+    host_tier_blocks: int = 0
+    host_tier_used: int = 0
+    host_tier_stored: int = 0
+    host_tier_hits: int = 0
 
 
 class EngineCore:
@@ -69,7 +75,9 @@ class EngineCore:
         self.eos_token_ids = self._eos_token_ids()
         num_blocks = executor.determine_num_blocks()
         executor.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        host_blocks = executor.host_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 HostTier(host_blocks) if host_blocks else None)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             compile_workers=config.grammar_compile_workers,
@@ -241,7 +249,15 @@ class EngineCore:
             max_waiting_per_client=self.scheduler.waiting.max_per_client,
             grammar_cache_bytes=self.structured.compiler.cache_size,
             grammar_compile_timeouts=self.structured.compiler.num_timeouts,
-            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason))
+            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
+            **self._host_tier_stats())
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return {"host_tier_blocks": host.num_blocks, "host_tier_used": host.num_used,
+                "host_tier_stored": host.stats.stored, "host_tier_hits": host.stats.hits}
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""

@@ -54,6 +54,10 @@ class Executor(ABC):
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
+    def host_blocks(self) -> int:
+        """Blocks of the host tier (``--kv-offload-size``) the cache allocated; 0: none."""
+        return 0
+
     @abstractmethod
     def execute_model_async(self, sched: SchedulerOutput,
                             before_forward: Callable[[], None] | None = None) -> StepResult:

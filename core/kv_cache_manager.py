@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from tidal.core.host_tier import HostTier
 from tidal.core.request import Request
 
 
@@ -15,7 +16,8 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 host_tier: HostTier | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -25,6 +27,11 @@ class KVCacheManager:
         # anything to do (a block to add, or one newly full to register for prefix hits)
         self._room: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # the second tier (core/host_tier.py): evicted prefix blocks, copied back on a hit
+        self.host = host_tier if enable_caching else None
+        self._host_hits: dict[str, list[int]] = {}  # request -> host slots of its lookup
+        if self.host is not None:
+            self.pool.on_evict = self.host.store
 
     @property
     def num_blocks(self) -> int:
@@ -49,9 +56,25 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        host_hits = self._host_lookup(request, len(hits), max_blocks)
+        num_hit = (len(hits) + len(host_hits)) * self.block_size
         self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.stats.hits += num_hit
+        return hits, num_hit
+
+    def _host_lookup(self, request: Request, start: int, max_blocks: int) -> list[int]:
+        """The host slots of the blocks after the device's hits, as far as they go on; kept
+        for ``allocate_slots``, which copies them into the blocks it allocates."""
+        if self.host is None:
+            return []
+        slots = []
+        for block_hash in request.block_hashes[start:max_blocks]:
+            slot = self.host.find(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        self._host_hits[request.request_id] = slots
+        return slots
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None,
@@ -77,6 +100,8 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new_blocks)
+        for slot, block in zip(self._host_hits.pop(request.request_id, ()), new_blocks):
+            self.host.load(slot, block.block_id)  # type: ignore[union-attr]
         room = len(blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
@@ -95,12 +120,15 @@ class KVCacheManager:
         """Release a request's blocks, tail first so its last blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._host_hits.pop(request.request_id, None)
         self._room.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (``BlockPool.reset_prefix_cache``); the hit counters stay, as
         counters do."""
+        if self.host is not None:
+            self.host.clear()
         return self.pool.reset_prefix_cache()
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -176,6 +176,7 @@ class Scheduler(BatchSharing):
             finished_req_ids=self._finished_ids,
             preempted_req_ids={r.request_id for r in preempted},
             structured_req_ids=self._constrained_sampling(num_scheduled),
+            kv_copies=self.kv.host.take_copies() if self.kv.host is not None else None,
         )
         self._finished_ids = set()
         return output

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tidal.core.host_tier import KVCopies
 from tidal.core.outputs import TokenLogprobs
 from tidal.core.prompt_logprobs import PromptLogprobsChunk
 from tidal.core.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_req_ids: list[str] = field(default_factory=list)  # constrained rows sampled
     grammar_bitmask: GrammarBitmask | None = None  # theirs, filled between schedule and sample
+    # KV blocks to copy between the device cache and the host tier before the forward
+    kv_copies: KVCopies | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -48,6 +48,9 @@ class UniProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
+    def host_blocks(self) -> int:
+        return self.runner.host_tier.num_blocks if self.runner.host_tier else 0
+
     def execute_model_async(self, sched: SchedulerOutput,
                             before_forward: Callable[[], None] | None = None) -> StepResult:
         return self.runner.execute_model_async(sched, before_forward)

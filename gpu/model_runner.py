@@ -25,6 +25,7 @@ from tidal.gpu.cpu.step_watch import StepWatch
 from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
@@ -69,6 +70,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 config.device)
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.host_tier: KVHostTier | None = None  # --kv-offload-size's host blocks
         self.cuda_graphs: CudaGraphRunner | None = None
         self.profiler = StepProfiler()
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
@@ -157,6 +159,8 @@ class ModelRunner:
         dtype = torch.int8 if self.kv_cache_quantized else self.dtype
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
+        host_blocks = KVHostTier.blocks_for(self.config.kv_offload_size, self.kv_caches)
+        self.host_tier = KVHostTier(host_blocks, self.kv_caches) if host_blocks else None
         if capture:
             self._capture_cuda_graphs()
 
@@ -313,6 +317,8 @@ class ModelRunner:
             if upgraded is not None:
                 self._swap_in(upgraded)
         self._update_states(sched)
+        if sched.kv_copies and self.host_tier is not None:
+            self.host_tier.apply(sched.kv_copies, self.kv_caches)
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
         prompt_rows = plan_prompt_rows(self.batch, sched)  # before the inputs advance it

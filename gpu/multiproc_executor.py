@@ -61,6 +61,9 @@ class MultiprocExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
 
+    def host_blocks(self) -> int:
+        return self._call("host_blocks")
+
     def execute_model_async(self, sched: SchedulerOutput,
                             before_forward: Callable[[], None] | None = None) -> StepResult:
         seq = self._send("execute_model", sched)
