@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule step N+1 while step N runs on the device "
                         "(default: on GPU only)")
+    engine.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's JSON shape: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+                        "\"prompt_lookup_max\": 5}' proposes up to 4 tokens a step from the "
+                        "prompt and output so far, verified by the model in the same step "
+                        "(turns async scheduling off; docs/speculative-decoding.md)")
     engine.add_argument("--request-timeout", type=_positive_seconds, default=None,
                         metavar="SECONDS", help="abort a request still waiting or running this "
                         "long after it arrived (finish_reason 'abort'); a request's own "

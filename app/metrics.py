@@ -135,6 +135,12 @@ class _EngineStatsCollector:
         yield CounterMetricFamily("tidal:grammar_compile_timeouts",
                                   "Grammar compiles failed for passing their time limit.",
                                   value=stats.grammar_compile_timeouts)
+        yield CounterMetricFamily("tidal:spec_decode_num_draft_tokens",
+                                  "Speculative tokens proposed (n-gram prompt lookup).",
+                                  value=stats.spec_decode_num_draft_tokens)
+        yield CounterMetricFamily("tidal:spec_decode_num_accepted_tokens",
+                                  "Speculative tokens the target model accepted.",
+                                  value=stats.spec_decode_num_accepted_tokens)
 
 
 class _EventLoopCpuCollector:

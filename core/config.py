@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.core.ngram_proposer import SpeculativeConfig, parse_speculative_config
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Tokens per step when none is given. A CPU step costs about the same per token from a few
 # hundred tokens up (its matmuls are compute-bound by then), so a larger budget only lengthens
@@ -82,8 +84,17 @@ class EngineConfig:
     # "fcfs" (first come, first served, clients in turn) or "priority" (each request's
     # ``priority``, the lowest first; a request preempts running ones it outranks)
     scheduling_policy: str = "fcfs"
+    # Speculative decoding (docs/speculative-decoding.md): vLLM's shape, as a dict, its JSON
+    # text or a SpeculativeConfig; None: off. It turns async scheduling off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise ValueError("speculative decoding runs without async scheduling; drop "
+                                 "--async-scheduling")
+            self.async_scheduling = False
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {self.scheduling_policy!r}")

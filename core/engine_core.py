@@ -55,6 +55,8 @@ class EngineStats:
     host_tier_used: int = 0
     host_tier_stored: int = 0
     host_tier_hits: int = 0
+    spec_decode_num_draft_tokens: int = 0  # speculative tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # of which the target accepted
 
 
 class EngineCore:
@@ -87,7 +89,8 @@ class EngineCore:
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             async_scheduling=bool(config.async_scheduling),
             attention_cost_context=executor.attention_cost_context,
-            policy=config.scheduling_policy), self.kv, self.structured)
+            policy=config.scheduling_policy,
+            speculative=config.speculative_config), self.kv, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
         executor.profiler = self.profiler
@@ -250,7 +253,7 @@ class EngineCore:
             grammar_cache_bytes=self.structured.compiler.cache_size,
             grammar_compile_timeouts=self.structured.compiler.num_timeouts,
             preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
-            **self._host_tier_stats())
+            **self._host_tier_stats(), **self._spec_stats())
 
     def _host_tier_stats(self) -> dict[str, int]:
         host = self.kv.host
@@ -258,6 +261,13 @@ class EngineCore:
             return {}
         return {"host_tier_blocks": host.num_blocks, "host_tier_used": host.num_used,
                 "host_tier_stored": host.stats.stored, "host_tier_hits": host.stats.hits}
+
+    def _spec_stats(self) -> dict[str, int]:
+        speculator = self.scheduler.speculator
+        if speculator is None:
+            return {}
+        return {"spec_decode_num_draft_tokens": speculator.stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": speculator.stats.num_accepted_tokens}
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""

@@ -11,7 +11,7 @@ from tidal.core.detokenizer import DetokenizationError, IncrementalDetokenizer
 from tidal.core.lifecycle import TIMEOUT, RequestStats
 from tidal.core.outputs import CompletionOutput, RequestOutput
 from tidal.core.request import Request, RequestStatus
-from tidal.core.scheduler import RequestUpdate
+from tidal.core.scheduler_update import RequestUpdate
 
 StopFn = Callable[[Request, RequestStatus, "str | None"], None]
 

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING
 
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.lifecycle import RateLimitedWarning
-from tidal.core.outputs import TokenLogprobs
-from tidal.core.prompt_logprobs import add_prompt_chunks
 from tidal.core.request import Request, RequestStatus
-from tidal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tidal.core.scheduler_output import NewRequestData, SchedulerOutput
 from tidal.core.scheduler_sharing import BatchSharing, rank
+from tidal.core.scheduler_update import RequestUpdate, StepUpdates  # noqa: F401 - re-exported
 from tidal.core.service_counters import ServiceCounters
+from tidal.core.spec_decode import Speculator
 from tidal.core.waiting_queue import FairQueue, PriorityQueue
 
 if TYPE_CHECKING:
+    from tidal.core.ngram_proposer import SpeculativeConfig
     from tidal.core.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -51,19 +52,10 @@ class SchedulerConfig:
     # "fcfs": first come, first served (by client in turn); "priority": the lowest
     # ``Request.priority`` first, preempting a running request it outranks for its place
     policy: str = "fcfs"
+    speculative: SpeculativeConfig | None = None  # proposals for decoding requests
 
 
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: tokens appended, and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    finished: bool
-
-
-class Scheduler(BatchSharing):
+class Scheduler(BatchSharing, StepUpdates):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  structured: StructuredOutputManager | None = None) -> None:
         self.config = config
@@ -82,6 +74,9 @@ class Scheduler(BatchSharing):
         self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
         self._preemption_warning = RateLimitedWarning(logger)
         self.service = ServiceCounters(config.client_burst_tokens or 4 * config.max_num_seqs)
+        self.speculator = (Speculator(config.speculative, config.max_model_len)
+                           if config.speculative is not None else None)
+        self._spec_tokens: dict[str, list[int]] = {}  # this step's proposals
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> str | None:
@@ -153,6 +148,9 @@ class Scheduler(BatchSharing):
         new: list[NewRequestData] = []
         preempted: list[Request] = []
         self._now = time.monotonic()
+        self._spec_tokens = {}
+        if self.speculator is not None:
+            self.speculator.new_step()
         share = self._fair_share()
         self._make_room_for_waiting_clients(share, preempted)
         if self.by_priority:
@@ -177,6 +175,7 @@ class Scheduler(BatchSharing):
             preempted_req_ids={r.request_id for r in preempted},
             structured_req_ids=self._constrained_sampling(num_scheduled),
             kv_copies=self.kv.host.take_copies() if self.kv.host is not None else None,
+            scheduled_spec_decode_tokens=self._spec_tokens,
         )
         self._finished_ids = set()
         return output
@@ -197,8 +196,11 @@ class Scheduler(BatchSharing):
                 wanted = self._num_new_tokens_in_flight(request)
             else:
                 wanted = request.num_tokens - request.num_computed_tokens
-            if wanted == 1:  # a decode: one token, one of the budget
-                n = cost = 1
+            drafts: list[int] = []
+            if wanted == 1:  # a decode: one token (and any proposals), one each of the budget
+                if self.speculator is not None:
+                    drafts = self.speculator.propose(request, budget)
+                n = cost = 1 + len(drafts)
             else:
                 n, cost = self._chunk(wanted, request.num_computed_tokens, budget)
                 if n <= 0:  # its last token is already being sampled by the step in flight
@@ -211,6 +213,10 @@ class Scheduler(BatchSharing):
                 if new_blocks:
                     new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             self._schedule_tokens(request, n, num_scheduled)
+            if drafts:
+                assert self.speculator is not None
+                self._spec_tokens[request.request_id] = drafts
+                self.speculator.scheduled(request, drafts)
             budget -= cost
             i += 1
         return budget
@@ -371,58 +377,6 @@ class Scheduler(BatchSharing):
             self._schedule_tokens(request, n, num_scheduled)
             budget -= cost
         return budget
-
-    # -- after the forward --------------------------------------------------------------
-    def update_from_output(self, output: ModelRunnerOutput) -> list[RequestUpdate]:
-        updates = []
-        requests = self.requests
-        logprobs = output.logprobs
-        now = time.monotonic()
-        if output.prompt_logprobs:
-            add_prompt_chunks(requests, output.prompt_logprobs)
-        for i, (req_id, token_id) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
-            request = requests.get(req_id)  # only unfinished requests are in it
-            if request is None:
-                continue  # finished (aborted, say) while the step ran
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
-            if request.max_output_tokens == 0:  # its prompt scored: done, the token dropped
-                self._dequeue(request)
-                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-                updates.append(RequestUpdate(request, [], None, True))
-                continue
-            request.append_output_token(token_id)
-            times = request.times
-            if times.first_token is None:
-                times.first_token = now
-            times.last_token = now
-            finished = False
-            grammar_done = (self.structured is not None
-                            and self.structured.accept(req_id, token_id))
-            if (grammar_done or token_id in request.stop_token_set
-                    or request.num_output_tokens >= request.max_output_tokens):
-                status = self._stop_status(request, token_id) or (
-                    RequestStatus.FINISHED_STOPPED if grammar_done else None)
-                if status is not None:
-                    self._dequeue(request)
-                    self._finish(request, status)
-                    finished = True
-            updates.append(RequestUpdate(request, [token_id],
-                                         None if logprobs is None else [logprobs[i]], finished))
-        return updates
-
-    @staticmethod
-    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
-        """Why ``request`` stops after its newest token ``token_id``, if it does."""
-        params = request.sampling_params
-        if (token_id in request.stop_token_set
-                and request.num_output_tokens >= params.min_tokens):
-            if token_id != request.eos_token_id or params.ignore_eos:
-                request.stop_reason = token_id  # a stop token id, not EOS
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _dequeue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:

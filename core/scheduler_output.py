@@ -49,6 +49,9 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None  # theirs, filled between schedule and sample
     # KV blocks to copy between the device cache and the host tier before the forward
     kv_copies: KVCopies | None = None
+    # Speculative decoding: the tokens proposed for a decoding request, run after its last
+    # known token in this step's forward and verified there (vLLM V1's name)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -57,12 +60,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The token sampled in one step for each request whose whole known context was
-    computed."""
+    """The tokens sampled in one step for each request whose whole known context was
+    computed: one, or with speculative decoding its accepted proposals and the next."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]  # one per request
-    logprobs: list[TokenLogprobs] | None = None  # one per request
+    sampled_token_ids: list[list[int]]  # per request, in order
+    logprobs: list[list[TokenLogprobs]] | None = None  # per request, one per token
     # the prompt positions this step scored, of the requests asking for prompt logprobs
     # (whether or not they sample)
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None

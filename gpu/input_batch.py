@@ -94,17 +94,19 @@ class InputBatch:
         if not keep_generator:
             self._parked_generators.pop(req_id, None)
 
-    def append_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
-        """Record the tokens a launched step sampled, one per state, each state's pending
-        count going down; a state finished or preempted while its step ran only drops the
-        count."""
+    def append_tokens(self, states: list[CachedRequestState],
+                      token_ids: list[list[int]]) -> None:
+        """Record the tokens a launched step sampled, a list per state (one token, or
+        accepted proposals and one more), each state's pending count going down; a state
+        finished or preempted while its step ran only drops the count."""
         live = self.states
         tokens = self._token_ids_view
-        for state, token_id in zip(states, token_ids):
+        for state, ids in zip(states, token_ids):
             state.num_pending -= 1
             if live.get(state.req_id) is state:
-                tokens[state.row, state.num_tokens] = token_id
-                state.num_tokens += 1
+                for token_id in ids:
+                    tokens[state.row, state.num_tokens] = token_id
+                    state.num_tokens += 1
 
     def prompt_token_ids(self, state: CachedRequestState) -> np.ndarray:
         return self.token_ids[state.row, :state.num_prompt_tokens]

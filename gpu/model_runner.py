@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from tidal.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from tidal.core.config import EngineConfig
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
-from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_quant
+from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
 from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
@@ -25,12 +25,15 @@ from tidal.gpu.cpu.step_watch import StepWatch
 from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.kv_cache_setup import KVCacheSetup
 from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
+from tidal.gpu.spec_step import spec_rows, write_drafts
+from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance
 from tidal.gpu.weight_shards import local_config
@@ -38,7 +41,7 @@ from tidal.gpu.weight_shards import local_config
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(KVCacheSetup):
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  max_model_len: int) -> None:
         self.config = config
@@ -92,94 +95,6 @@ class ModelRunner:
     @property
     def eos_token_ids(self) -> list[int]:
         return self.model_config.eos_token_ids
-
-    # -- KV cache -----------------------------------------------------------------------
-    @property
-    def kv_cache_quantized(self) -> bool:
-        return kv_quant.is_quantized(self.config.kv_cache_dtype)
-
-    def determine_num_blocks(self) -> int:
-        # an int8 cache's scales count: a float32 per token, KV head and K or V
-        cfg = self.shard_config
-        per_token = (cfg.kv_bytes_per_token(1, kv_quant.SCALE_BYTES) if self.kv_cache_quantized
-                     else cfg.kv_bytes_per_token(self.dtype.itemsize))
-        per_block = self.block_size * per_token
-        if self.device == "cpu":
-            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        else:
-            budget = self._free_gpu_memory_for_kv()
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            hint = ("raise kv_cache_memory" if self.device == "cpu" or self.config.kv_cache_memory
-                    else "free GPU memory (other engines or processes hold it), raise "
-                         "gpu_memory_utilization or set kv_cache_memory")
-            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
-                             f"{per_block} bytes; {hint}")
-        return int(num_blocks)
-
-    def _free_gpu_memory_for_kv(self) -> int:
-        if self.config.kv_cache_memory:
-            return self.config.kv_cache_memory
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.profile_run()
-        torch.cuda.empty_cache()  # the profile's activations count once, in peak_extra
-        free, total = torch.cuda.mem_get_info()
-        used = total - free  # by every process on the device, this one's weights included
-        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        budget = int(total * self.config.gpu_memory_utilization) - used - peak_extra
-        logger.info("GPU memory: %.2f of %.2f GiB in use, %.2f GiB of activations at peak; "
-                    "%.2f GiB for the KV cache", used / 2**30, total / 2**30,
-                    peak_extra / 2**30, max(0, budget) / 2**30)
-        return max(0, budget)
-
-    def profile_run(self) -> None:
-        """A forward at the largest token batch, to measure peak activation memory."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        self.allocate_kv_cache(-(-n // self.block_size), capture=False)
-        cu, lens = [0, n], [n]
-        num_blocks = -(-n // self.block_size)
-        meta = AttentionMetadata(
-            num_actual_tokens=n,
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_table=torch.arange(num_blocks, dtype=torch.int32,
-                                     device=self.device)[None],
-            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=cu, seq_lens_cpu=lens)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
-            self.model.compute_logits(hidden[: self.config.max_num_seqs]).float()
-        self.kv_caches = []
-
-    def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
-        cfg = self.shard_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = torch.int8 if self.kv_cache_quantized else self.dtype
-        self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
-                          for _ in range(cfg.num_layers)]
-        host_blocks = KVHostTier.blocks_for(self.config.kv_offload_size, self.kv_caches)
-        self.host_tier = KVHostTier(host_blocks, self.kv_caches) if host_blocks else None
-        if capture:
-            self._capture_cuda_graphs()
-
-    def _capture_cuda_graphs(self) -> None:
-        """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
-        backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
-        tensor parallelism, whose all-reduces are not captured, nor for MoE models."""
-        if self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1:
-            return
-        if self.model_config.num_experts:  # gpu/moe.py's paths are not yet checked under capture
-            logger.info("a mixture-of-experts model runs its decode steps without CUDA graphs")
-            return
-        if self.backend.name != "triton":
-            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
-            return
-        self.cuda_graphs = CudaGraphRunner(self.run_model, self.config.max_num_seqs,
-                                           self.max_blocks_per_req, self.max_model_len,
-                                           self.device)
-        self.cuda_graphs.capture()
 
     def kernel_summary(self) -> str:
         """What runs the model's ops, in a line for the start-up banner."""
@@ -341,19 +256,24 @@ class ModelRunner:
             hidden = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(hidden).float()
         prof.lap("forward")
-        meta = build_sampling_metadata(self.batch, inputs.sampling_states,
+        spec = inputs.spec  # a request's rows: one, or its proposals' too (gpu/spec_step.py)
+        row_states = inputs.sampling_states if spec is None else spec.row_states
+        meta = build_sampling_metadata(self.batch, row_states,
                                        self.model_config.vocab_size, logits.device,
                                        in_flight=(self._last_sampled, self._last_index))
-        req_ids = [state.req_id for state in inputs.sampling_states]
+        row_req_ids = [state.req_id for state in row_states]
         if sched.grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, sched.grammar_bitmask, req_ids)
-        sampled = self.sampler(logits, meta)
+            apply_grammar_bitmask(logits, sched.grammar_bitmask, row_req_ids)
+        sampled = self.sampler(logits, meta) if spec is None else verify(logits, meta,
+                                                                         spec.drafts)
         for state in inputs.sampling_states:
             state.num_pending += 1
         self._last_sampled = sampled.sampled_token_ids
-        self._last_index = dict(zip(req_ids, range(len(req_ids))))
+        self._last_index = dict(zip(row_req_ids, range(len(row_req_ids))))
         prof.lap("sample")
-        return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled, prompt_scores)
+        req_ids = row_req_ids if spec is None else [s.req_id for s in inputs.sampling_states]
+        return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled, prompt_scores,
+                          spec)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.preempted_req_ids:
@@ -376,7 +296,10 @@ class ModelRunner:
         layout = TokenLayout.of(sched, computed)
         cu, positions, seq_lens = layout.cu, layout.positions, layout.seq_lens
         seq_lens_cpu = seq_lens.tolist()
-        sampling, in_flight = advance(states, seq_lens_cpu)
+        spec = sched.scheduled_spec_decode_tokens
+        if spec:
+            write_drafts(self.batch, states, spec)
+        sampling, in_flight = advance(states, seq_lens_cpu, spec)
         token_rows = layout.per_token(rows)
         input_ids = self.batch.token_ids[token_rows, positions]
         bs = self.block_size
@@ -401,6 +324,12 @@ class ModelRunner:
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens_cpu,
         )
+        if spec:  # each sampling request's proposals and its last token give logits
+            indices, rows = spec_rows([states[i] for i in sampling],
+                                      cu[1:][np.asarray(sampling, dtype=np.int64)] - 1, spec,
+                                      self.device)
+            return StepInputs(input_ids_dev, to_dev(positions), meta, to_dev(indices),
+                              [states[i] for i in sampling], rows)
         every_token_samples = len(sampling) == num_tokens  # then every request does, in order
         return StepInputs(
             input_ids=input_ids_dev,

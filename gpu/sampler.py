@@ -26,6 +26,7 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B]
     logprob_token_ids: torch.Tensor | None  # [B, 1 + N]: the sampled token, then the top-N
     logprobs: torch.Tensor | None  # [B, 1 + N]
+    accepted: torch.Tensor | None = None  # [B] bool: speculative steps (gpu/spec_verify.py)
 
 
 class Sampler:
@@ -137,12 +138,22 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def sample_random(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
     """Temperature, min_p, top-k / top-p, then the exponential race, on the sampling rows."""
+    return race(random_probs(logits, r), r)
+
+
+def random_probs(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """The sampling rows' distributions: temperature, min_p, top-k / top-p, softmax."""
     logits = logits.div_(r.temperature[:, None])
     if r.min_p is not None:
         apply_min_p(logits, r.min_p)
     if r.top_k is not None or r.top_p is not None:
         logits = apply_top_k_top_p(logits, r.top_k, r.top_p, r.max_top_k, r.all_top_k)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def race(probs: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """A token from each row of ``probs`` (which need not sum to one, and is overwritten):
+    ``argmax(probs / q)``, ``q ~ Exp(1)``, seeded rows drawing from their generators."""
     q = torch.empty_like(probs).exponential_()
     for row, generator in r.generators.items():
         q[row].exponential_(generator=generator)

@@ -12,6 +12,7 @@ from tidal.core.scheduler_output import ModelRunnerOutput
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.prompt_logprobs import PromptScoresOut
 from tidal.gpu.sampler import SamplerOutput
+from tidal.gpu.spec_step import SpecRows, group_by_request
 
 
 class StepHandle:
@@ -20,9 +21,11 @@ class StepHandle:
 
     def __init__(self, batch: InputBatch, states: list[CachedRequestState], req_ids: list[str],
                  sampled: SamplerOutput | None,
-                 prompt_scores: PromptScoresOut | None = None) -> None:
+                 prompt_scores: PromptScoresOut | None = None,
+                 spec: SpecRows | None = None) -> None:
         self.batch, self.states, self.req_ids, self.sampled = batch, states, req_ids, sampled
         self.prompt_scores = prompt_scores
+        self.spec = spec  # a speculative step's rows (gpu/spec_step.py)
         self._event = None
         on_gpu = False
         if sampled is not None and sampled.sampled_token_ids.is_cuda:
@@ -44,13 +47,20 @@ class StepHandle:
         if self.sampled is None:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt)
         token_ids = self.sampled.sampled_token_ids.tolist()
-        self.batch.append_tokens(self.states, token_ids)
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            sampled_token_ids=token_ids,
-            logprobs=_logprobs_dicts(self.states, self.sampled),
-            prompt_logprobs=prompt,
-        )
+        if self.spec is None:
+            per_request = [[t] for t in token_ids]
+            logprobs = _logprobs_dicts(self.states, self.sampled)
+            grouped = None if logprobs is None else [[entry] for entry in logprobs]
+        else:
+            assert self.sampled.accepted is not None
+            per_request, grouped = group_by_request(
+                self.spec, token_ids, self.sampled.accepted.tolist(),
+                _logprobs_dicts(self.spec.row_states, self.sampled))
+        self.batch.append_tokens(self.states, per_request)
+        if self.spec is not None:  # the rejected proposals' KV is to be written again
+            for state, n, tokens in zip(self.states, self.spec.num_rows, per_request):
+                state.num_computed_tokens -= n - len(tokens)
+        return ModelRunnerOutput(self.req_ids, per_request, grouped, prompt_logprobs=prompt)
 
 
 Copied = TypeVar("Copied", SamplerOutput, PromptScoresOut)

@@ -10,6 +10,7 @@ import torch
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.gpu.attention import AttentionMetadata
 from tidal.gpu.input_batch import CachedRequestState
+from tidal.gpu.spec_step import SpecRows
 
 
 @dataclass
@@ -19,6 +20,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # the rows to sample from; None: every row, in order
     sampling_states: list[CachedRequestState]
+    spec: SpecRows | None = None  # a step with proposals to verify: the rows of each request
 
 
 @dataclass
@@ -54,17 +56,19 @@ class TokenLayout:
         return tokens if self.req_of_token is None else self.req_of_token[tokens]
 
 
-def advance(states: list[CachedRequestState],
-             seq_lens: list[int]) -> tuple[list[int], bool]:
+def advance(states: list[CachedRequestState], seq_lens: list[int],
+            spec: dict[str, list[int]] | None = None) -> tuple[list[int], bool]:
     """Count each request's scheduled tokens as computed (``seq_lens``: its length once the
     step has run). Returns the indices of those that sample, their known tokens all computed
-    (any tokens in flight included), and whether any input token is still in flight."""
+    (any tokens in flight and proposals in ``spec`` included), and whether any input token is
+    still in flight."""
     sampling = []
     in_flight = False
     for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
         state.num_computed_tokens = seq_len
-        if seq_len > state.num_tokens:
+        known = state.num_tokens + len(spec.get(state.req_id, ())) if spec else state.num_tokens
+        if seq_len > known:
             in_flight = True
-        if seq_len >= state.num_tokens + state.num_pending:
+        if seq_len >= known + state.num_pending:
             sampling.append(i)
     return sampling, in_flight

@@ -24,7 +24,7 @@ def _fake_forward(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random
         if request.num_computed_tokens >= request.num_tokens:
             ids.append(req_id)
             tokens.append(rng.randrange(vocab))
-    return ModelRunnerOutput(ids, tokens)
+    return ModelRunnerOutput(ids, [[t] for t in tokens])
 
 
 def run_workload(scheduler: Scheduler, pending: list[Request], rng: random.Random,
@@ -102,11 +102,11 @@ def test_long_prompt_is_chunked_while_decodes_continue():
     s = _scheduler(num_blocks=32, budget=8)
     s.add_request(Request("short", [1, 2], SamplingParams(max_tokens=10)))
     out = s.schedule()
-    s.update_from_output(ModelRunnerOutput(["short"], [5]))
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
     s.add_request(Request("long", list(range(10, 30)), SamplingParams(max_tokens=2)))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"short": 1, "long": 7}
-    s.update_from_output(ModelRunnerOutput(["short"], [5]))
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"short": 1, "long": 7}
 
@@ -119,7 +119,7 @@ def test_chunks_are_charged_for_the_context_they_attend_over():
     s = Scheduler(SchedulerConfig(4, 17, 256, attention_cost_context=16), kv)
     s.add_request(Request("short", [1, 2], SamplingParams(max_tokens=20)))
     s.schedule()
-    s.update_from_output(ModelRunnerOutput(["short"], [5]))
+    s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
     s.add_request(Request("long", list(range(100, 160)), SamplingParams(max_tokens=1)))
     chunks = []
     while s.requests["long"].num_computed_tokens < 60:
@@ -127,7 +127,7 @@ def test_chunks_are_charged_for_the_context_they_attend_over():
         assert out.num_scheduled_tokens["short"] == 1
         chunks.append(out.num_scheduled_tokens["long"])
         assert out.total_num_scheduled_tokens == 1 + chunks[-1]
-        s.update_from_output(ModelRunnerOutput(["short"], [5]))
+        s.update_from_output(ModelRunnerOutput(["short"], [[5]]))
     assert chunks[:3] == [11, 8, 6]
     assert chunks == sorted(chunks, reverse=True) and sum(chunks) == 60
     uncharged = Scheduler(SchedulerConfig(4, 17, 256), KVCacheManager(64, 4))
@@ -152,7 +152,7 @@ def _step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
     done = [r for r in out.num_scheduled_tokens
             if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
-    s.update_from_output(ModelRunnerOutput(done, [1] * len(done)))
+    s.update_from_output(ModelRunnerOutput(done, [[1]] * len(done)))
     return out
 
 
@@ -193,12 +193,12 @@ def test_stop_conditions():
     s.add_request(Request("stop", [1], SamplingParams(max_tokens=9, stop_token_ids=[8])))
     s.schedule()
     ups = s.update_from_output(ModelRunnerOutput(["eos", "min", "ign", "stop"],
-                                                 [3, 3, 3, 8]))
+                                                 [[3], [3], [3], [8]]))
     finished = {u.request.request_id: u.request for u in ups if u.finished}
     assert set(finished) == {"eos", "stop"}
     assert finished["stop"].stop_reason == 8 and finished["stop"].finish_reason == "stop"
     s.schedule()
-    ups = s.update_from_output(ModelRunnerOutput(["min", "ign"], [3, 3]))
+    ups = s.update_from_output(ModelRunnerOutput(["min", "ign"], [[3], [3]]))
     assert {u.request.request_id: u.request.finish_reason for u in ups} == {
         "min": "stop", "ign": "length"}
 

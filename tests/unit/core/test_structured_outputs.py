@@ -250,7 +250,7 @@ def test_random_constrained_workload_leaks_no_matcher_or_block(w):
                 ids.append(req_id)
                 tokens.append(_allowed_token(manager, req_id, rng)
                               if req_id in out.structured_req_ids else rng.randrange(512))
-        return ModelRunnerOutput(ids, tokens)
+        return ModelRunnerOutput(ids, [[t] for t in tokens])
 
     run_workload(scheduler, list(requests), rng, w["abort_rate"], forward)
     assert all(r.is_finished for r in requests)

@@ -169,7 +169,7 @@ def _seeded_run(position: int, others: list[SamplingParams], steps: int = 12) ->
         ids = Sampler()(logits, meta).sampled_token_ids.tolist()
         for state in states:
             state.num_pending += 1  # as the runner counts a launched step
-        batch.append_tokens(states, ids)
+        batch.append_tokens(states, [[t] for t in ids])
         tokens.append(ids[position])
     return tokens
 

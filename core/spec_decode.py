@@ -1,0 +1,67 @@
+"""The scheduler's side of speculative decoding: which decoding requests get proposals and how
+many, and the bookkeeping once the target has verified them (docs/speculative-decoding.md).
+
+Proposed tokens are counted as computed when scheduled, like any scheduled token; those the
+target rejects are taken back after the step (``settle``), so their KV slots are written
+again by the next step. The KV cache manager registers only blocks full of known tokens for
+prefix hits, never one holding a proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.core.ngram_proposer import SpeculativeConfig, propose_ngram
+from tidal.core.request import Request
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's counters: tokens proposed (``spec_decode_num_draft_tokens``) and of those the
+    target accepted (``spec_decode_num_accepted_tokens``)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+        self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        """Proposals for a decoding ``request`` (its known tokens all computed after this
+        step's one), within ``budget - 1`` more tokens. None for a request still prefilling
+        (its last prompt token included) nor for a constrained one, whose grammar checks one
+        token at a time."""
+        if (not request.num_output_tokens
+                or request.sampling_params.structured_outputs is not None):
+            return []
+        cfg = self.config
+        k = min(cfg.num_speculative_tokens, budget - 1,
+                request.max_output_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
+                             cfg.prompt_lookup_max)
+
+    def scheduled(self, request: Request, drafts: list[int]) -> None:
+        """``drafts`` run for ``request`` in this step."""
+        self._in_step[request.request_id] = len(drafts)
+        self.stats.num_draft_tokens += len(drafts)
+
+    def settle(self, request: Request, num_sampled: int) -> None:
+        """The step gave ``request`` ``num_sampled`` tokens (accepted proposals and one
+        more): the rejected proposals are no longer computed."""
+        k = self._in_step.pop(request.request_id, 0)
+        if not k:
+            return
+        self.stats.num_accepted_tokens += num_sampled - 1
+        request.num_computed_tokens -= k + 1 - num_sampled
+
+    def new_step(self) -> None:
+        """A step is being scheduled: the last one's requests are settled (or finished)."""
+        self._in_step.clear()

@@ -1,0 +1,131 @@
+"""The model runner's KV cache: how many blocks fit (a CPU's budget, or on a GPU what a
+profiling forward at the largest token batch leaves), their allocation, and the decode
+steps' CUDA graphs captured over them. A part of ``ModelRunner``, kept apart so that each
+part reads on its own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tidal.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from tidal.gpu.attention import AttentionBackend, AttentionMetadata, kv_quant
+from tidal.gpu.cuda_graphs import CudaGraphRunner
+from tidal.gpu.kv_host_tier import KVHostTier
+from tidal.gpu.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheSetup:
+    config: EngineConfig
+    shard_config: ModelConfig  # this rank's heads
+    model_config: ModelConfig
+    device: str
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_blocks_per_req: int
+    model: torch.nn.Module
+    kv_caches: list[tuple[torch.Tensor, ...]]
+    host_tier: KVHostTier | None  # --kv-offload-size's host blocks
+    cuda_graphs: CudaGraphRunner | None
+    backend: AttentionBackend  # the runner's property: the running model's
+    run_model: Callable[..., torch.Tensor]
+
+    # -- KV cache -----------------------------------------------------------------------
+    @property
+    def kv_cache_quantized(self) -> bool:
+        return kv_quant.is_quantized(self.config.kv_cache_dtype)
+
+    def determine_num_blocks(self) -> int:
+        # an int8 cache's scales count: a float32 per token, KV head and K or V
+        cfg = self.shard_config
+        per_token = (cfg.kv_bytes_per_token(1, kv_quant.SCALE_BYTES) if self.kv_cache_quantized
+                     else cfg.kv_bytes_per_token(self.dtype.itemsize))
+        per_block = self.block_size * per_token
+        if self.device == "cpu":
+            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        else:
+            budget = self._free_gpu_memory_for_kv()
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            hint = ("raise kv_cache_memory" if self.device == "cpu" or self.config.kv_cache_memory
+                    else "free GPU memory (other engines or processes hold it), raise "
+                         "gpu_memory_utilization or set kv_cache_memory")
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
+                             f"{per_block} bytes; {hint}")
+        return int(num_blocks)
+
+    def _free_gpu_memory_for_kv(self) -> int:
+        if self.config.kv_cache_memory:
+            return self.config.kv_cache_memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        torch.cuda.empty_cache()  # the profile's activations count once, in peak_extra
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # by every process on the device, this one's weights included
+        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        budget = int(total * self.config.gpu_memory_utilization) - used - peak_extra
+        logger.info("GPU memory: %.2f of %.2f GiB in use, %.2f GiB of activations at peak; "
+                    "%.2f GiB for the KV cache", used / 2**30, total / 2**30,
+                    peak_extra / 2**30, max(0, budget) / 2**30)
+        return max(0, budget)
+
+    def profile_run(self) -> None:
+        """A forward at the largest token batch, to measure peak activation memory."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.allocate_kv_cache(-(-n // self.block_size), capture=False)
+        cu, lens = [0, n], [n]
+        num_blocks = -(-n // self.block_size)
+        meta = AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_table=torch.arange(num_blocks, dtype=torch.int32,
+                                     device=self.device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=cu, seq_lens_cpu=lens)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
+            self.model.compute_logits(hidden[: self._max_logits_rows()]).float()
+        self.kv_caches = []
+
+    def _max_logits_rows(self) -> int:
+        """The most rows a step computes logits for: one per sequence, and with speculative
+        decoding one per proposal too."""
+        spec = self.config.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0  # type: ignore[union-attr]
+        return self.config.max_num_seqs * (1 + k)
+
+    def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
+        cfg = self.shard_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = torch.int8 if self.kv_cache_quantized else self.dtype
+        self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
+                          for _ in range(cfg.num_layers)]
+        host_blocks = KVHostTier.blocks_for(self.config.kv_offload_size, self.kv_caches)
+        self.host_tier = KVHostTier(host_blocks, self.kv_caches) if host_blocks else None
+        if capture:
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
+        """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
+        backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
+        tensor parallelism, whose all-reduces are not captured, nor for MoE models."""
+        if self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1:
+            return
+        if self.model_config.num_experts:  # gpu/moe.py's paths are not yet checked under capture
+            logger.info("a mixture-of-experts model runs its decode steps without CUDA graphs")
+            return
+        if self.backend.name != "triton":
+            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
+            return
+        self.cuda_graphs = CudaGraphRunner(self.run_model, self.config.max_num_seqs,
+                                           self.max_blocks_per_req, self.max_model_len,
+                                           self.device)
+        self.cuda_graphs.capture()

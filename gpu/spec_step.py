@@ -1,0 +1,80 @@
+"""The runner's side of speculative decoding: a request's proposed tokens run after its last
+known token in the same forward (several query rows of one request, attending causally over
+its cache like a prefill chunk), logits at each of its ``k + 1`` positions, and the verified
+tokens grouped back by request (docs/speculative-decoding.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tidal.core.outputs import TokenLogprobs
+from tidal.gpu.input_batch import CachedRequestState, InputBatch
+
+
+@dataclass
+class SpecRows:
+    """A speculative step's logits rows: each sampling request's proposals and one more,
+    in request order."""
+
+    num_rows: list[int]  # per sampling request: its proposals + 1
+    drafts: torch.Tensor  # [N] long: the token proposed at each row, -1 at a request's last
+    # per row: the request as of that row, its proposals before the row counted as known
+    # tokens (so penalties and min_tokens see them); a view for the sampling metadata
+    row_states: list[CachedRequestState]
+
+
+def write_drafts(batch: InputBatch, states: list[CachedRequestState],
+                 spec: dict[str, list[int]]) -> None:
+    """Put each request's proposals after its known tokens, where the forward reads its
+    input ids (the verified tokens overwrite them once the step is done)."""
+    for state in states:
+        drafts = spec.get(state.req_id)
+        if drafts:
+            batch.token_ids[state.row, state.num_tokens:state.num_tokens + len(drafts)] = drafts
+
+
+def spec_rows(states: list[CachedRequestState], last_token: np.ndarray,
+              spec: dict[str, list[int]], device: torch.device | str
+              ) -> tuple[np.ndarray, SpecRows]:
+    """The logits rows of the sampling ``states`` (``last_token``: the index of each one's
+    last token in the flattened batch), and what verifying them needs."""
+    indices: list[np.ndarray] = []
+    num_rows: list[int] = []
+    drafts: list[int] = []
+    row_states: list[CachedRequestState] = []
+    for state, last in zip(states, last_token.tolist()):
+        proposed = spec.get(state.req_id, [])
+        k = len(proposed)
+        indices.append(np.arange(last - k, last + 1, dtype=np.int64))
+        num_rows.append(k + 1)
+        drafts += proposed
+        drafts.append(-1)
+        row_states.append(state)
+        row_states += [dataclasses.replace(state, num_tokens=state.num_tokens + j)
+                       for j in range(1, k + 1)]
+    rows = SpecRows(num_rows, torch.tensor(drafts, dtype=torch.long, device=device),
+                    row_states)
+    return np.concatenate(indices), rows
+
+
+def group_by_request(spec: SpecRows, token_ids: list[int], accepted: list[bool],
+                     logprobs: list[TokenLogprobs] | None
+                     ) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None]:
+    """Each request's tokens: its rows' up to and including the first whose proposal was not
+    accepted (its last row has none), with their logprobs."""
+    tokens: list[list[int]] = []
+    grouped: list[list[TokenLogprobs]] | None = None if logprobs is None else []
+    start = 0
+    for n in spec.num_rows:
+        end = start
+        while end < start + n - 1 and accepted[end]:
+            end += 1
+        tokens.append(token_ids[start:end + 1])
+        if grouped is not None and logprobs is not None:
+            grouped.append(logprobs[start:end + 1])
+        start += n
+    return tokens, grouped
