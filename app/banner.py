@@ -62,11 +62,16 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
         f"{tokens // core.max_model_len:,} requests of the full context"
         f"{', int8 with scales' if config.kv_cache_dtype == 'int8' else ''}",
         f"  batching  up to {config.max_num_seqs} sequences and {config.max_num_batched_tokens} "
-        f"tokens a step; prefix caching {'on' if config.enable_prefix_caching else 'off'}; "
+        f"tokens a step; prefix caching {'on' if core.kv.enable_caching else 'off'}; "
         f"async scheduling {'on' if config.async_scheduling else 'off'}",
         f"  kernels   {executor.kernel_summary()}",
         f"  API       {url}/v1",
         f"  page      {url}/",
         f"  metrics   {url}/metrics",
     ]
+    if core.pooling is not None:  # --runner pooling (docs/embeddings.md)
+        how = {"last": "last-token", "mean": "mean", "cls": "CLS"}[core.pooling.method]
+        lines.insert(3, f"  runner    pooling: {how} pooling, "
+                        f"{'normalised ' if core.pooling.normalize else ''}embeddings of "
+                        f"{arch.hidden_size} values (/v1/embeddings, /v1/score, /v1/rerank)")
     return "\n".join(lines)

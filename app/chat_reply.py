@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.app.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
+from tidal.app.reasoning import FORMATS, ReasoningFormat, split_reasoning, splitter_for
 from tidal.app.structured import ToolUse
 
 
@@ -15,12 +15,24 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
+def messages_format(tool_use: ToolUse | None, reasoning: ReasoningFormat | None
+                    ) -> tuple[ReasoningFormat | None, bool]:
+    """The format the reply is split by, and whether its thinking is shown: the ``openai``
+    tool parser reads Harmony calls out of the messages the ``gpt_oss`` splitter leaves, so
+    without a reasoning parser the reply is still split, its thinking dropped."""
+    if reasoning is None and tool_use is not None and tool_use.parser.name == "openai":
+        return FORMATS["gpt_oss"], False
+    return reasoning, True
+
+
 class ReplyDeltas:
     """One choice's reply, fed as its text arrives: each piece as an OpenAI chat ``delta``
     (``reasoning_content``, ``content``, ``tool_calls`` fragments; only the parts it has)."""
 
     def __init__(self, tool_use: ToolUse | None, reasoning: ReasoningFormat | None) -> None:
-        self.thinker = ReasoningSplitter(reasoning) if reasoning is not None else None
+        reasoning, self.shown = messages_format(tool_use, reasoning)
+        self.thinker = splitter_for(reasoning, tool_use is not None) \
+            if reasoning is not None else None
         self.streamer = tool_use.parser.streamer() if tool_use is not None else None
 
     def feed(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -34,7 +46,7 @@ class ReplyDeltas:
         delta: dict[str, Any] = {"content": text} if text else {}
         if self.streamer is not None:
             delta, reason = self._calls(text, reason)
-        if reasoning:
+        if reasoning and self.shown:
             delta = {"reasoning_content": reasoning, **delta}
         return delta, reason
 
@@ -58,9 +70,10 @@ def whole_message(tool_use: ToolUse | None, reasoning: ReasoningFormat | None, t
                   reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A whole reply's ``message`` and the finish reason to report."""
     thinking: dict[str, Any] = {}
+    reasoning, shown = messages_format(tool_use, reasoning)
     if reasoning is not None:
-        thought, text = split_reasoning(reasoning, text)
-        thinking = {"reasoning_content": thought}
+        thought, text = split_reasoning(reasoning, text, tool_use is not None)
+        thinking = {"reasoning_content": thought} if shown else {}
     if tool_use is None:
         return {"role": "assistant", **thinking, "content": text}, reason
     reply = tool_use.parser.extract(text, cut=reason == "length")

@@ -15,6 +15,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from tidal.app.banner import package_version
+from tidal.app.reasoning import FORMATS
 from tidal.app.tool_parsers import PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         KV_CACHE_DTYPES,
         QUANTIZATION_GROUP_SIZES,
         QUANTIZATIONS,
+        RUNNERS,
         SCHEDULING_POLICIES,
         EngineConfig,
     )
@@ -154,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "in 8 bits with a float32 scale per token and KV head: about twice the "
                         "tokens in the same memory (four times a float32 model's), and half "
                         "the bytes each decode step reads")
+    engine.add_argument("--runner", default=defaults.runner, choices=RUNNERS,
+                        help="'generate' serves text; 'pooling' serves embeddings, scores and "
+                        "reranking (/v1/embeddings, /v1/score, /v1/rerank): each request one "
+                        "prefill, pooled as the model's sentence-transformers files say "
+                        "(docs/embeddings.md)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching,
                         help="reuse the KV cache of shared prompt prefixes")
@@ -267,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the format of the model's tool calls (default: the one its chat "
                       "template uses, else hermes)")
     chat.add_argument("--reasoning-parser", default="auto",
-                      choices=["auto", "none", "qwen3", "deepseek_r1"],
-                      help="where the model's thinking ends: <think>...</think> goes to "
-                      "reasoning_content (default: by the chat template's markers; none: off)")
+                      choices=["auto", "none", *FORMATS],
+                      help="where the model's thinking ends: <think>...</think> (gpt_oss: "
+                      "Harmony's analysis channel) goes to reasoning_content (default: by the "
+                      "chat template's markers; none: off)")
 
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",

@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammar_compile_workers=args.grammar_compile_workers,
             grammar_cache_bytes=args.grammar_cache_bytes,
-            scheduling_policy=args.scheduling_policy,
+            scheduling_policy=args.scheduling_policy, runner=args.runner,
             speculative_config=args.speculative_config)
     except ValueError as exc:
         print(f"tidal: error: {exc}", file=sys.stderr)

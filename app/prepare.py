@@ -151,15 +151,17 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
     if tool_use is not None and tool_use.parser.special_markers:
         params = params.clone(skip_special_tokens=False)  # the parser must see its markers
     dropped = None
+    kwargs = template_kwargs(req)
     if truncate:
-        prompt, token_ids, dropped = fit_conversation(state, messages, params,
-                                                      req.chat_template_kwargs, tools)
+        prompt, token_ids, dropped = fit_conversation(state, messages, params, kwargs, tools)
     else:
-        prompt = render_chat(state, messages, tools, req.chat_template_kwargs)
+        prompt = render_chat(state, messages, tools, kwargs)
         token_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     reasoning = reasoning_format_for(state)
     if reasoning is not None:
         reasoning = reasoning.for_prompt(prompt)
+        if reasoning.harmony:  # the splitter must see Harmony's special tokens
+            params = params.clone(skip_special_tokens=False)
     if params.structured_outputs is not None:  # it holds the answer, after any thinking
         params = params.clone(structured_outputs=after_thinking(params.structured_outputs,
                                                                 reasoning))
@@ -176,6 +178,14 @@ def prepare_chat_request(body: dict[str, Any], state: ServerState, *,
         reasoning=reasoning)
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort``
+    (which Harmony templates read) where the request sets it."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+
+
 def template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as the chat template takes it: string content, and the tool fields given."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -183,6 +193,8 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
         out["tool_calls"] = [call_for_template(call) for call in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 

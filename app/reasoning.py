@@ -1,11 +1,13 @@
 """A reasoning model's thinking kept apart from its answer: ``<think>...</think>`` goes to
 ``reasoning_content``, the rest to ``content`` (where tool calls are then read).
 
-Two formats, as vLLM names them (``--reasoning-parser``):
+Three formats, as vLLM names them (``--reasoning-parser``):
 - ``qwen3``: a reply that opens with ``<think>`` thinks until ``</think>``; one that does not
   (``"chat_template_kwargs": {"enable_thinking": false}``) is all answer.
 - ``deepseek_r1``: the chat template opens the block in the prompt, so the reply starts inside
   it (a leading ``<think>`` is skipped) and thinks until ``</think>``.
+- ``gpt_oss``: OpenAI's Harmony messages (``app/harmony.py``): the ``analysis`` channel is the
+  thinking, the ``final`` channel the answer.
 
 Where the prompt itself ends matters more than the format: a prompt that ends inside an
 opened block (``<think>\n``) has a reply that starts thinking, one that ends with a closed
@@ -26,6 +28,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from tidal.app.harmony import CHANNEL, FINAL_HEADER, HarmonySplitter, harmony_thinking
+
 START, END = "<think>", "</think>"
 
 
@@ -41,11 +45,15 @@ class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block (deepseek_r1)
     closed: bool = False  # the prompt holds the whole block: the reply is all answer
+    harmony: bool = False  # Harmony messages (gpt_oss), whose markers are special tokens
 
     def for_prompt(self, prompt: str) -> ReasoningFormat:
         """This format after ``prompt``: one ending inside an opened block starts the reply
-        inside it, one ending with a closed block leaves the reply all answer."""
+        inside it, one ending with a closed block leaves the reply all answer (for Harmony:
+        one ending inside the final message's body)."""
         tail = prompt.rstrip()
+        if self.harmony:
+            return replace(self, closed=True) if prompt.endswith(FINAL_HEADER) else self
         if tail.endswith(END):
             return replace(self, closed=True)
         if tail.endswith(START):
@@ -54,7 +62,8 @@ class ReasoningFormat:
 
 
 FORMATS = {"qwen3": ReasoningFormat("qwen3", starts_inside=False),
-           "deepseek_r1": ReasoningFormat("deepseek_r1", starts_inside=True)}
+           "deepseek_r1": ReasoningFormat("deepseek_r1", starts_inside=True),
+           "gpt_oss": ReasoningFormat("gpt_oss", starts_inside=False, harmony=True)}
 
 
 @dataclass
@@ -74,6 +83,8 @@ def get_format(name: str) -> ReasoningFormat:
 def default_format(chat_template_text: str | None) -> str | None:
     """The reasoning format a chat template teaches its model, by its markers."""
     text = chat_template_text or ""
+    if CHANNEL in text:
+        return "gpt_oss"
     if START not in text:
         return None
     return "deepseek_r1" if "<｜Assistant｜>" in text else "qwen3"
@@ -149,6 +160,8 @@ def thinking_format(fmt: ReasoningFormat) -> dict[str, Any] | None:
     """The reply's thinking as a format of xgrammar's structural tag, with the whitespace
     after it: any text up to END (the reply may skip writing an opened block's START, or,
     where the model decides, the whole block); None where the prompt closed the block."""
+    if fmt.harmony:
+        return harmony_thinking(fmt.closed)
     if fmt.closed:
         return None
     block = {"type": "tag", "begin": "" if fmt.starts_inside else START,
@@ -158,8 +171,18 @@ def thinking_format(fmt: ReasoningFormat) -> dict[str, Any] | None:
     return {"type": "sequence", "elements": [block, {"type": "regex", "pattern": "\\n{0,2}"}]}
 
 
-def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str | None, str]:
+def splitter_for(fmt: ReasoningFormat, calls: bool = False
+                 ) -> ReasoningSplitter | HarmonySplitter:
+    """A splitter for one reply in ``fmt``; ``calls``: a Harmony reply's tool calls are kept in
+    the answer, for the ``openai`` tool parser (without tools they are dropped)."""
+    if fmt.harmony:
+        return HarmonySplitter(fmt.closed, calls)
+    return ReasoningSplitter(fmt)
+
+
+def split_reasoning(fmt: ReasoningFormat, text: str, calls: bool = False
+                    ) -> tuple[str | None, str]:
     """A whole reply's thinking (None where it has none) and answer."""
-    splitter = ReasoningSplitter(fmt)
+    splitter = splitter_for(fmt, calls)
     first, last = splitter.feed(text), splitter.finish()
     return (first.reasoning + last.reasoning) or None, first.content + last.content

@@ -2,9 +2,10 @@
 endpoint prepares: ``instructions`` and ``input`` (after a ``previous_response_id``'s
 conversation) become ``messages``, ``tools`` and ``tool_choice`` take the chat shape,
 ``text.format`` becomes ``response_format``, ``max_output_tokens`` becomes
-``max_completion_tokens``. ``prepare_chat_request`` then validates, templates and tokenizes it,
-exactly as it does a chat request; what it refuses is reported under the Responses API's own
-field names (``responses_param``).
+``max_completion_tokens``, ``reasoning.effort`` becomes ``reasoning_effort``.
+``prepare_chat_request`` then validates, templates and tokenizes it, exactly as it does a chat
+request; what it refuses is reported under the Responses API's own field names
+(``responses_param``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence
 RENAMED = (("max_completion_tokens", "max_output_tokens"),
            ("response_format.json_schema.schema", "text.format.schema"),
            ("response_format.json_schema", "text.format"),
-           ("response_format", "text.format"), ("messages", "input"))
+           ("response_format", "text.format"), ("messages", "input"),
+           ("reasoning_effort", "reasoning.effort"))
 
 
 @dataclass
@@ -85,6 +87,8 @@ def _prepare(body: dict[str, Any], state: ServerState) -> PreparedResponse:
     chat = {"model": req.model or state.served_model_name, "messages": system + conversation,
             **{k: body[k] for k in SAMPLING_EXTRAS if k in body}}
     chat.update(_sampling(req), **_tools(req))
+    if (req.reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = req.reasoning["effort"]
     if req.text is not None and req.text.get("format") is not None:
         chat["response_format"] = _response_format(req.text["format"])
     prepared = prepare_chat_request(chat, state)
@@ -167,7 +171,9 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "previous_response_id": req.previous_response_id, "store": req.store is not False,
-        "metadata": req.metadata or {}, "truncation": "disabled", "reasoning": None,
+        "metadata": req.metadata or {}, "truncation": "disabled",
+        "reasoning": {"effort": req.reasoning.get("effort"), "summary": None}
+        if req.reasoning else None,
     }
 
 

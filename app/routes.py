@@ -23,6 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from tidal.app.chat_completions import chat_completions
 from tidal.app.completions import completions
+from tidal.app.embeddings import embeddings
 from tidal.app.errors import ApiError
 from tidal.app.guard import RequestGuard
 from tidal.app.handling import check_api_key, get_state
@@ -30,6 +31,7 @@ from tidal.app.metrics import CONTENT_TYPE
 from tidal.app.refusals import refusal_key
 from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
 from tidal.app.responses import create_response, delete_response, get_response
+from tidal.app.scoring import rerank, score
 from tidal.app.server_state import ServerSettings, ServerState
 from tidal.app.tokenizing import detokenize, tokenize
 from tidal.app.tracing import install as install_request_tracing
@@ -64,6 +66,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),  # --runner pooling
+            Route("/v1/score", score, methods=["POST"]),
+            Route("/v1/rerank", rerank, methods=["POST"]),
+            Route("/v2/rerank", rerank, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),

@@ -84,6 +84,7 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking (Harmony shows it)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -106,11 +107,22 @@ class ChatCompletionRequest(SamplingFields):
     # extra variables for the chat template, e.g. {"enable_thinking": false}; the names the
     # template is rendered with (messages, tools, ...) cannot be replaced
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Any = None  # OpenAI's: low, medium or high; the template reads it
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(value)
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _reasoning_effort(cls, value: Any) -> str | None:
+        if value is not None and value not in REASONING_EFFORTS:
+            raise ValueError(f"must be one of {', '.join(REASONING_EFFORTS)}, not {value!r}")
+        return value
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -175,6 +187,7 @@ class ResponsesRequest(_Model):
     store: bool | None = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat's reasoning_effort
     background: bool | None = False  # not offered
 
 
@@ -200,6 +213,51 @@ class DetokenizeRequest(_Model):
 
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Model):
+    """``POST /v1/embeddings`` (OpenAI's): ``input`` normalised to a list of prompts."""
+
+    model: str | None = None  # None: the served model
+    input: Any
+    dimensions: int | None = Field(default=None, ge=1)  # Matryoshka: the first ones, renormed
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> list[str | list[int]]:
+        if isinstance(value, str) and value:
+            return [value]
+        if isinstance(value, list) and value:
+            if all(_is_int(t) for t in value):
+                return [value]
+            if all(isinstance(p, str) and p for p in value):
+                return value
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+                return value
+        raise ValueError("must be a non-empty string, a list of non-empty strings, a "
+                         "non-empty list of token ids, or a list of non-empty token-id lists")
+
+
+class ScoreRequest(_Model):
+    """vLLM's ``POST /v1/score``: ``text_1`` against each of ``text_2`` (one to many), or
+    pairwise when both are lists of the same length."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_Model):
+    """vLLM's (Jina's and Cohere's) ``POST /v1/rerank``: ``documents`` ranked by relevance
+    to ``query``, the best ``top_n`` (0 or None: all)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
 
 
 def _is_int(value: Any) -> bool:

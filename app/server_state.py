@@ -47,7 +47,7 @@ class ServerSettings:
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds for a whole body
     chat_template: str | None = None  # a template file to use instead of the tokenizer's
     tool_call_parser: str | None = None  # a name in tool_parsers.PARSERS; None: from the template
-    reasoning_parser: str | None = None  # qwen3, deepseek_r1, "none"; None: from the template
+    reasoning_parser: str | None = None  # a name in reasoning.FORMATS, "none"; None: template
     request_timeout: float | None = None  # seconds a request may wait and run; None: no limit
     enable_request_tracing: bool = False  # a JSON log line per finished request
     otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector for request spans
@@ -78,6 +78,7 @@ class ServerState:
     max_num_seqs: int  # sequences in one batch: how many one request may have in the engine
     # the engine's configuration as plain values, for /get_server_info
     engine_config: dict[str, Any] = field(default_factory=dict)
+    embedding_size: int = 0  # the width of a pooling model's embeddings (0: unknown)
     # the Responses API's stored responses, for ``previous_response_id`` and ``GET``; read on
     # the prepare threads, so made here rather than on first use
     responses: ResponseStore = field(init=False, repr=False)
@@ -105,7 +106,8 @@ class ServerState:
             max_model_len=engine.max_model_len, vocab_size=core.vocab_size,
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
             max_num_seqs=core.config.max_num_seqs,
-            engine_config=dataclasses.asdict(core.config))
+            engine_config=dataclasses.asdict(core.config),
+            embedding_size=getattr(core.executor.model_config, "hidden_size", 0))
 
     @functools.cached_property
     def admission(self) -> Admission:

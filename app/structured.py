@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidal.app.errors import bad_request
+from tidal.app.harmony import final_format
 from tidal.app.reasoning import ReasoningFormat, default_format, get_format, thinking_format
 from tidal.app.tool_parsers import ToolParser, default_parser, get_parser
 from tidal.core.structured_output import StructuredOutputsParams
@@ -127,7 +128,8 @@ def reply_constraint(*specs: StructuredOutputsParams | None) -> StructuredOutput
 def after_thinking(spec: StructuredOutputsParams | None, fmt: ReasoningFormat | None
                    ) -> StructuredOutputsParams | None:
     """``spec`` held to the answer alone: the reply's thinking first, free, then ``spec``
-    (where the reply thinks at all)."""
+    (where the reply thinks at all). In Harmony the answer is the final message's body, but
+    the tools' grammar writes its own messages (``tool_parsers/openai.py``)."""
     thinking = None if spec is None or fmt is None else thinking_format(fmt)
     if thinking is None:
         return spec
@@ -136,6 +138,8 @@ def after_thinking(spec: StructuredOutputsParams | None, fmt: ReasoningFormat | 
         answer = spec.as_format()
     except ValueError as exc:
         raise bad_request(str(exc), spec.field) from None
+    if fmt is not None and fmt.harmony and spec.field != "tools":
+        answer = final_format(answer)
     tag = {"type": "structural_tag",
            "format": {"type": "sequence", "elements": [thinking, answer]}}
     return spec_of(structural_tag=tag, field=spec.field)

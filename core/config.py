@@ -34,6 +34,7 @@ DEFAULT_MODEL_NAME = "tidal-shakespeare"  # the id the server lists for it
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+RUNNERS = ("generate", "pooling")  # runner's values (core/pooling.py)
 
 
 @dataclass
@@ -87,8 +88,13 @@ class EngineConfig:
     # Speculative decoding (docs/speculative-decoding.md): vLLM's shape, as a dict, its JSON
     # text or a SpeculativeConfig; None: off. It turns async scheduling off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # "generate" (text) or "pooling" (embeddings: each request one prefill, pooled;
+    # core/pooling.py), vLLM's ``--runner``
+    runner: str = "generate"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None:
             if self.async_scheduling:

@@ -21,6 +21,7 @@ from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.lifecycle import TIMEOUT, Arrival
 from tidal.core.output_processor import OutputProcessor, ParentRequest
 from tidal.core.outputs import RequestOutput
+from tidal.core.pooling import check_runner, read_pooling_config
 from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.scheduler import Scheduler, SchedulerConfig
@@ -77,8 +78,13 @@ class EngineCore:
         self.eos_token_ids = self._eos_token_ids()
         num_blocks = executor.determine_num_blocks()
         executor.allocate_kv_cache(num_blocks)
+        self.pooling = (read_pooling_config(config.model) if config.runner == "pooling"
+                        else None)
+        # mean and CLS pooling read every prompt position: no prefix-cache hit may skip one
+        prefix_caching = config.enable_prefix_caching and not (
+            self.pooling is not None and self.pooling.needs_every_position)
         host_blocks = executor.host_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching,
                                  HostTier(host_blocks) if host_blocks else None)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -120,6 +126,7 @@ class EngineCore:
         error on the next step. One past ``arrival``'s deadline is aborted at the next step."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_runner(self.config.runner, params)
         prompt_token_ids = check_token_ids(prompt_token_ids, self.vocab_size, "prompt token id")
         check_token_ids(list(params.logit_bias or {}), self.vocab_size, "logit_bias token id")
         arrival = arrival or Arrival()

@@ -13,6 +13,7 @@ from tidal.core.config import EngineConfig
 from tidal.core.engine_core import EngineCore
 from tidal.core.lifecycle import Arrival
 from tidal.core.outputs import RequestOutput
+from tidal.core.pooling import EmbeddingRequestOutput, embedding_output, pooling_params
 from tidal.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -46,22 +47,36 @@ class LLM:
         """One ``RequestOutput`` per prompt, in input order. A prompt is a string or a list
         of token ids; ``params`` is one for all prompts or one per prompt; ``priority`` one
         per prompt (the lower, the sooner), with ``scheduling_policy="priority"``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        results = self._run_all(prompts, params_list, priorities, use_tqdm)
+        return list(results.values())
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order, as vLLM's ``LLM.embed`` gives them
+        (``out.outputs.embedding``); the engine must run ``runner="pooling"``."""
+        prompts = _prompt_list(prompts)
+        params = pooling_params()
+        results = self._run_all(prompts, [params] * len(prompts), [0] * len(prompts), use_tqdm)
+        return [embedding_output(out) for out in results.values()]
+
+    def _run_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                 priorities: list[int], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Queue every prompt (none, if one is refused), run them, and return their
+        outputs in input order."""
         ids: list[str] = []
         try:
-            for prompt, prompt_params, rank in zip(prompts, params_list, priorities):
+            for prompt, prompt_params, rank in zip(prompts, params, priorities):
                 ids.append(self._add(prompt, prompt_params, rank))
         except Exception:
             self.engine.abort_requests(ids)  # none left queued for a later call to run
             raise
         results = self._run(ids, use_tqdm)
-        return [results[i] for i in ids]
+        return {i: results[i] for i in ids}
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -139,3 +154,10 @@ class LLM:
                 bar.set_postfix_str(f"{num_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
         bar.close()
         return results
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or token ids) or several, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

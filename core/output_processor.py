@@ -128,6 +128,8 @@ class OutputProcessor:
             parent.prompt_logprobs_sent = True
             out.prompt_logprobs = scores.as_vllm(
                 self._token_text if request.sampling_params.detokenize else None)
+        if request.pooled is not None:
+            out.embedding = request.pooled
         if completion.finish_reason is not None:
             out.finished_stats.append(request_stats(request))
         if request.error:

@@ -59,6 +59,8 @@ class RequestOutput:
     finished_stats: list[RequestStats] = field(default_factory=list)
     # with ``SamplingParams.prompt_logprobs``: in the first delta after the prompt is scored
     prompt_logprobs: PromptLogprobs | None = None
+    # with ``SamplingParams.pooling``: the prompt's embedding, in the final output
+    embedding: list[float] | None = None
 
     def merge(self, newer: RequestOutput) -> None:
         """Fold a later delta into this one (text and ids concatenated, logprobs extended)."""
@@ -83,6 +85,8 @@ class RequestOutput:
         self.finished_stats.extend(newer.finished_stats)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = newer.prompt_logprobs
+        if self.embedding is None:
+            self.embedding = newer.embedding
 
 
 class RequestOutputCollector:

@@ -88,6 +88,7 @@ class Request:
         # its prompt's logprobs, gathered chunk by chunk, when it asks for them
         self.prompt_scores = (PromptScores(self.num_prompt_tokens)
                               if params.prompt_logprobs is not None else None)
+        self.pooled: list[float] | None = None  # its embedding, when it pools (core/pooling.py)
 
     @property
     def is_finished(self) -> bool:

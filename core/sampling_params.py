@@ -50,6 +50,9 @@ class SamplingParams:
     detokenize: bool = True
     # what the output must match (a JSON schema, a regex, a grammar, ...); None: anything
     structured_outputs: StructuredOutputsParams | None = None
+    # the prompt is pooled into an embedding (an engine with runner "pooling",
+    # core/pooling.py); ``max_tokens`` is 0 then: nothing is generated
+    pooling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,10 +78,9 @@ class SamplingParams:
         # logits are divided by it in float32, where anything smaller is 0
         _check_range("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, None)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens,
-                       lo=0 if self.prompt_logprobs is not None else 1,
-                       note="" if self.prompt_logprobs is not None
-                       else " (0 only with prompt_logprobs)")
+            scored = self.prompt_logprobs is not None or self.pooling
+            _check_int("max_tokens", self.max_tokens, lo=0 if scored else 1,
+                       note="" if scored else " (0 only with prompt_logprobs)")
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(

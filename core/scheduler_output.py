@@ -69,6 +69,8 @@ class ModelRunnerOutput:
     # the prompt positions this step scored, of the requests asking for prompt logprobs
     # (whether or not they sample)
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # runner "pooling": the embeddings of the requests whose prompt this step completed
+    pooled: dict[str, list[float]] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

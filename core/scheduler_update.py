@@ -45,6 +45,13 @@ class StepUpdates:
         now = time.monotonic()
         if output.prompt_logprobs:
             add_prompt_chunks(requests, output.prompt_logprobs)
+        for req_id, embedding in (output.pooled or {}).items():
+            request = requests.get(req_id)
+            if request is not None:  # pooled: its one prefill done (core/pooling.py)
+                request.pooled = embedding
+                self._dequeue(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                updates.append(RequestUpdate(request, [], None, True))
         for i, (req_id, token_ids) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             request = requests.get(req_id)  # only unfinished requests are in it
             if request is None:

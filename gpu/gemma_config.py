@@ -52,7 +52,7 @@ def with_gemma_facts(cfg: ModelConfig, raw: dict[str, Any], source: str) -> Mode
                                              shared=cfg.architecture == GEMMA_ARCHITECTURES[0])
     try:
         facts = GemmaFacts(
-            layer_windows=_layer_windows(raw, cfg.num_layers, defaults["pattern"], source),
+            layer_windows=layer_windows_of(raw, cfg.num_layers, defaults["pattern"], source),
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or cfg.head_dim),
             attn_softcap=float(raw.get("attn_logit_softcapping", defaults["attn_softcap"]) or 0),
             final_softcap=float(raw.get("final_logit_softcapping", defaults["final_softcap"])
@@ -66,8 +66,8 @@ def with_gemma_facts(cfg: ModelConfig, raw: dict[str, Any], source: str) -> Mode
     return replace(cfg, rope_theta=global_theta, rope_scaling=global_rope, gemma=facts)
 
 
-def _layer_windows(raw: dict[str, Any], num_layers: int, pattern: int,
-                   source: str) -> tuple[int, ...]:
+def layer_windows_of(raw: dict[str, Any], num_layers: int, pattern: int,
+                     source: str) -> tuple[int, ...]:
     window = raw.get("sliding_window") or 0
     if not isinstance(window, int) or window < 0:
         raise ModelFileError(f"{source}: sliding_window must be a positive integer")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ class KVCacheSetup:
     model: torch.nn.Module
     kv_caches: list[tuple[torch.Tensor, ...]]
     host_tier: KVHostTier | None  # --kv-offload-size's host blocks
+    pooler: Any  # gpu/pooler.py's Pooler for a pooling runner, else None
     cuda_graphs: CudaGraphRunner | None
     backend: AttentionBackend  # the runner's property: the running model's
     run_model: Callable[..., torch.Tensor]
@@ -116,8 +118,10 @@ class KVCacheSetup:
     def _capture_cuda_graphs(self) -> None:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
         backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
-        tensor parallelism, whose all-reduces are not captured, nor for MoE models."""
-        if self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1:
+        tensor parallelism, whose all-reduces are not captured, nor for MoE models or a
+        pooling runner."""
+        if (self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1
+                or self.pooler is not None):  # a pooling runner never decodes
             return
         if self.model_config.num_experts:  # gpu/moe.py's paths are not yet checked under capture
             logger.info("a mixture-of-experts model runs its decode steps without CUDA graphs")

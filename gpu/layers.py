@@ -143,6 +143,17 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(gate_up, self.plan)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's experts' activation over fused ``[..., 2n]`` ``[gate | up]`` rows: the gate
+    clamped above at ``limit``, the up clamped to ``[-limit, limit]``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)`` (HF's ``GptOssExperts._apply_gate``, whose
+    checkpoints interleave gate and up; the loader puts them in halves)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class GeluAndMul(nn.Module):
     """Gemma's gated MLP activation, ``GELU(gate) * up`` with GELU's tanh approximation
     (``gelu_pytorch_tanh``), over a fused ``[..., 2n]`` gate/up projection. torch's form on
@@ -184,7 +195,8 @@ def vocab_parallel_lookup(lookup: Callable[[torch.Tensor], torch.Tensor],
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved ("rotate half") RoPE with a precomputed cos/sin table per position."""
+    """Non-interleaved ("rotate half") RoPE with a precomputed cos/sin table per position
+    (YaRN's attention factor, where it scales, folded into the table)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None) -> None:
@@ -234,11 +246,15 @@ def _rotary_table(head_dim: int, max_positions: int, theta: float,
     """The cos and sin of every position's angles, ``[max_positions, head_dim]`` each."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                 / head_dim))
-    inv_freq = _scale_inv_freq(inv_freq, scaling)
+    if _rope_kind(scaling) == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, theta, scaling)
+    else:
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    factor = _yarn_attention_factor(scaling) if _rope_kind(scaling) == "yarn" else 1.0
+    return emb.cos() * factor, emb.sin() * factor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -246,8 +262,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_kind(scaling: dict) -> str:
+    return scaling.get("rope_type") or scaling.get("type") or "default"
+
+
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    kind = _rope_kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -257,7 +277,7 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     if kind == "freq_factors":  # a divisor per frequency, as GGUF's rope_freqs tensor holds
         return inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, "
-                     "freq_factors")
+                     "yarn, freq_factors")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -272,3 +292,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, base: float, s: dict) -> torch.Tensor:
+    """YaRN (as HF's ``_compute_yarn_parameters``): frequencies that turn fewer than
+    ``beta_slow`` times over the original context are slowed by ``factor``, those turning more
+    than ``beta_fast`` times kept, a linear ramp over the dimensions in between."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    dim = 2 * inv_freq.shape[0]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency left unscaled
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def _yarn_attention_factor(s: dict) -> float:
+    """The scale of cos and sin: ``attention_factor``, else ``0.1 ln(factor) + 1`` (each
+    term times ``mscale`` over ``mscale_all_dim``, where both are given)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = s["factor"]
+
+    def mscale(scale: float = 1.0) -> float:
+        return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
+    return mscale()

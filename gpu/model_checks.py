@@ -103,6 +103,9 @@ def check_against_checkpoint(model: str | Path, cfg: ModelConfig) -> int:
         float_shapes = True  # quantized rows too: the index gives the logical shapes
     else:
         shapes, nbytes, source, float_shapes = _safetensors_index(Path(model))
+        # a body without its head (``Qwen3Model``: an embedding model) names no ``model.``
+        shapes = {n if n.startswith(("model.", "lm_head.")) else f"model.{n}": s
+                  for n, s in shapes.items()}
     layers = sorted({int(m.group(1)) for name in shapes if (m := _LAYER_NAME.match(name))})
     if layers != list(range(cfg.num_layers)):
         raise ModelFileError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tidal.gpu.gemma_config import GEMMA_ARCHITECTURES, GemmaFacts, with_gemma_facts
+from tidal.gpu.gpt_oss_config import GPT_OSS, GptOssFacts, with_gpt_oss_facts
 from tidal.gpu.model_checks import ModelFileError, check_config_values, check_shape_rules
 
 # architecture name in config.json -> (qkv bias, per-head q/k RMSNorm)
@@ -20,6 +21,16 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
+    "GptOssForCausalLM": (False, False),  # q/k/v/o biases where attention_bias (its default)
+}
+# The bodies without an output head that embedding models ship (Qwen3-Embedding's checkpoint
+# has no lm_head): read as their causal model, its head tied to the embedding and never used
+# by a pooling runner (core/pooling.py)
+HEADLESS_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
 }
 
 
@@ -39,9 +50,11 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # the output projection's bias (gpt-oss)
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     gemma: GemmaFacts | None = None  # Gemma 2/3's sliding windows etc. (gpu/gemma_config.py)
+    gpt_oss: GptOssFacts | None = None  # gpt-oss's windows, SwiGLU (gpu/gpt_oss_config.py)
     # Mixture of experts (``gpu/moe.py``; 0 experts: a dense model): each MoE layer's router
     # sends a token to ``num_experts_per_tok`` experts of ``moe_intermediate_size``, their
     # weights renormalised to sum to one where ``norm_topk_prob``. Layers listed in
@@ -91,9 +104,13 @@ class ModelConfig:
         checked for range before anything is built from it (``gpu/model_checks.py``)."""
         architectures = raw.get("architectures") or ["?"]
         arch = architectures[0] if isinstance(architectures, list) else architectures
+        headless = arch in HEADLESS_ARCHITECTURES
+        if headless:
+            arch = HEADLESS_ARCHITECTURES[arch]
         if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (and "
+                             f"{', '.join(sorted(HEADLESS_ARCHITECTURES))} for pooling)")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         check_config_values(raw, source)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -119,8 +136,8 @@ class ModelConfig:
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 rope_scaling=rope,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=qkv_bias or bool(raw.get("attention_bias", False)),
+                tie_word_embeddings=headless or bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=qkv_bias or bool(raw.get("attention_bias", arch == GPT_OSS)),
                 qk_norm=qk_norm,
                 eos_token_ids=list(eos_token_ids),
                 **_moe_settings(arch, raw, source),
@@ -130,6 +147,8 @@ class ModelConfig:
         check_shape_rules(cfg, source)
         if arch in GEMMA_ARCHITECTURES:
             cfg = with_gemma_facts(cfg, raw, source)
+        if arch == GPT_OSS:
+            cfg = with_gpt_oss_facts(cfg, raw, source)
         return cfg
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -161,12 +180,15 @@ class ModelConfig:
 
 
 def _moe_settings(arch: str, raw: dict, source: str) -> dict:
-    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral ``config.json`` (none for a
-    dense model). Mixtral's experts are as large as its ``intermediate_size`` and always
-    renormalised; transformers 5 saves Qwen3-MoE's ``num_experts`` as ``num_local_experts``."""
-    if arch == "MixtralForCausalLM":
+    """The mixture-of-experts fields of a Qwen3-MoE, Mixtral or gpt-oss ``config.json`` (none
+    for a dense model). Mixtral's and gpt-oss's experts are as large as their
+    ``intermediate_size``, Mixtral's always renormalised (gpt-oss's routing is its own,
+    ``gpu/moe.py``); transformers 5 saves Qwen3-MoE's ``num_experts`` as
+    ``num_local_experts``."""
+    if arch in ("MixtralForCausalLM", GPT_OSS):
         moe = dict(num_experts=raw.get("num_local_experts"),
-                   num_experts_per_tok=raw.get("num_experts_per_tok", 2),
+                   num_experts_per_tok=raw.get("num_experts_per_tok",
+                                               4 if arch == GPT_OSS else 2),
                    moe_intermediate_size=raw.get("intermediate_size"))
     elif arch == "Qwen3MoeForCausalLM":
         moe = dict(num_experts=raw.get("num_experts") or raw.get("num_local_experts"),

@@ -20,7 +20,7 @@ from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.layers import RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.models import MODELS
-from tidal.gpu.moe_weights import expert_slot
+from tidal.gpu.moe_weights import checkpoint_layout, expert_slot
 from tidal.gpu.quantization.apply import (
     QUANTIZED_LINEARS,
     install,
@@ -100,7 +100,7 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     quantization, dtype, device = options.quantization, options.dtype, options.device
     with torch.device("meta"), _uninitialized_layers():
         model = MODELS[cfg.architecture](cfg, options.backend, options.max_positions)
-    weights = checkpoint_weights(model_dir)
+    weights = checkpoint_layout(cfg.architecture, checkpoint_weights(model_dir))
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
     if quantization is not None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tidal.core.config import EngineConfig
+from tidal.core.pooling import read_pooling_config
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attention_backend
@@ -29,6 +30,7 @@ from tidal.gpu.kv_cache_setup import KVCacheSetup
 from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
+from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
@@ -69,6 +71,8 @@ class ModelRunner(KVCacheSetup):
                                 else self._load_model())
         self._step_watch = StepWatch() if self._upgrades is not None else None
         self.sampler = Sampler()
+        self.pooler = (Pooler(read_pooling_config(config.model)) if config.runner == "pooling"
+                       else None)  # embeddings, nothing sampled (gpu/pooler.py)
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 config.device)
@@ -195,7 +199,8 @@ class ModelRunner(KVCacheSetup):
         return self.execute_model_async(sched).result()
 
     def execute_model_async(self, sched: SchedulerOutput,
-                            before_forward: Callable[[], None] | None = None) -> StepHandle:
+                            before_forward: Callable[[], None] | None = None
+                            ) -> StepHandle | PooledHandle:
         """Launch a step. The sampled ids stay on the device (the next step reads them from
         there); the returned handle brings them to the host when asked.
 
@@ -224,7 +229,7 @@ class ModelRunner(KVCacheSetup):
                 self._modes_thread = None
 
     def _launch_step(self, sched: SchedulerOutput,
-                     before_forward: Callable[[], None] | None) -> StepHandle:
+                     before_forward: Callable[[], None] | None) -> StepHandle | PooledHandle:
         prof = self.profiler
         self._last_step_at = time.monotonic()
         if self._upgrades is not None:
@@ -237,6 +242,7 @@ class ModelRunner(KVCacheSetup):
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
         prompt_rows = plan_prompt_rows(self.batch, sched)  # before the inputs advance it
+        pool_plan = self.pooler.plan(self.batch, sched) if self.pooler is not None else None
         inputs = self._prepare_inputs(sched)
         prof.lap("prepare_inputs")
         if before_forward is not None:
@@ -246,6 +252,9 @@ class ModelRunner(KVCacheSetup):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self._watched_forward(inputs)
+        if pool_plan is not None:
+            prof.lap("forward")
+            return self.pooler.pool(pool_plan, hidden, self._to_device)
         prompt_scores = (None if prompt_rows is None else
                          score_prompt_rows(prompt_rows, hidden, self.model.compute_logits,
                                            self._to_device))

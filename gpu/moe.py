@@ -1,10 +1,16 @@
-"""The mixture-of-experts feed-forward layer of Qwen3-MoE and Mixtral.
+"""The mixture-of-experts feed-forward layer of Qwen3-MoE, Mixtral and gpt-oss.
 
 A router (a linear of one output per expert) scores each token; the softmax of the scores, in
 float32, picks the token's ``top_k`` experts, whose weights are renormalised to sum to one
 where the model says so. Each expert is a gated MLP; the token's output is its experts'
 outputs, weighted, summed. The experts' weights are stacked: ``gate_up_proj`` ``[E, 2*I, H]``
 (gate rows first, then up) and ``down_proj`` ``[E, H, I]``, as transformers 5 holds them.
+
+gpt-oss adds to this (``ExpertExtras``): a bias per expert on both projections, its own
+activation over the ``[gate | up]`` rows (a clamped SwiGLU, ``layers.clamped_swiglu``), a
+router with a bias, and its routing order: the top-k of the router's logits, then the softmax
+over those k (``Routing.softmax_after_topk``). Its checkpoints' interleaved gate/up rows are
+put in our order at load time (``gpu/models/gpt_oss.py``).
 
 Four ways compute the same thing:
 
@@ -18,7 +24,7 @@ Four ways compute the same thing:
   few decode rows), where the loop's fixed costs outweigh the copy. Past that it is the
   grouped path;
 - ``moe_triton``: on a GPU, the grouped computation in two Triton kernels with no host sync
-  (``gpu/moe_triton.py``).
+  (``gpu/moe_triton.py``); not for experts with extras, which take the other paths.
 
 On the CPU the choice between grouped and gathered is timed per row bucket like every other op
 (``gpu/cpu/op_plans.py``); untimed, the grouped path runs.
@@ -50,11 +56,32 @@ class Routing:
     top_k: int
     renormalize: bool
     float32_weights: bool = False
+    softmax_after_topk: bool = False  # gpt-oss: the softmax over the chosen k, in their dtype
+
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertExtras:
+    """What gpt-oss's experts add to the plain gated MLP: a bias per expert on each
+    projection (``[E, 2*I]`` and ``[E, H]``), and an activation of the fused ``[gate | up]``
+    rows other than ``silu_and_mul``."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: Activation = silu_and_mul
+
+
+PLAIN = ExpertExtras()
 
 
 def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, expert ids)``, each ``[tokens, top_k]``, weights float32, from the router's
-    ``[tokens, E]`` logits."""
+    """``(weights, expert ids)``, each ``[tokens, top_k]``, weights float32 (in the logits'
+    dtype where ``softmax_after_topk``), from the router's ``[tokens, E]`` logits."""
+    if routing.softmax_after_topk:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:
@@ -62,9 +89,17 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     return weights, ids
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert's gated MLP over ``rows`` ``[n, H]``."""
-    return F.linear(silu_and_mul(F.linear(rows, gate_up)), down)
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               extras: ExpertExtras = PLAIN, expert: int = 0) -> torch.Tensor:
+    """One expert's gated MLP over ``rows`` ``[n, H]`` (``expert`` picks its biases)."""
+    gate_up_bias, down_bias = _biases(extras, expert)
+    return F.linear(extras.activation(F.linear(rows, gate_up, gate_up_bias)), down, down_bias)
+
+
+def _biases(extras: ExpertExtras,
+            expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    up, down = extras.gate_up_bias, extras.down_bias
+    return (None if up is None else up[expert]), (None if down is None else down[expert])
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -75,20 +110,27 @@ def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, routing: Routing)
 
 
 def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
+                  extras: ExpertExtras = PLAIN) -> torch.Tensor:
     """Token by token, expert by expert, in torch's own ops."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for weight, e in zip(weights[t], ids[t].tolist()):
-            gate, up = F.linear(x[t], gate_up[e]).chunk(2)
-            y = F.linear(F.silu(gate) * up, down[e])
+            gate_up_bias, down_bias = _biases(extras, e)
+            if extras is PLAIN:
+                gate, up = F.linear(x[t], gate_up[e]).chunk(2)
+                hidden = F.silu(gate) * up
+            else:
+                hidden = extras.activation(F.linear(x[t:t + 1], gate_up[e], gate_up_bias))[0]
+            y = F.linear(hidden, down[e], down_bias)
             scale = weight if routing.float32_weights else weight.to(x.dtype)
             out[t] += (y * scale).to(x.dtype)
     return out
 
 
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
+                extras: ExpertExtras = PLAIN) -> torch.Tensor:
     """The pairs sorted by expert, each expert's GEMMs over its own rows."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
@@ -99,7 +141,8 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     start = 0
     for e, n in enumerate(counts):
         if n:
-            sorted_out[start:start + n] = expert_mlp(rows[start:start + n], gate_up[e], down[e])
+            sorted_out[start:start + n] = expert_mlp(rows[start:start + n], gate_up[e], down[e],
+                                                     extras, e)
             start += n
     outputs = torch.empty_like(sorted_out)
     outputs[order] = sorted_out
@@ -107,22 +150,31 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def moe_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+                 weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
+                 extras: ExpertExtras = PLAIN) -> torch.Tensor:
     """Each pair's expert weights gathered, two batched matmuls; the grouped path where
     there are more pairs than experts (the gathered copies would outweigh the weights)."""
     tokens, top_k = ids.shape
     if tokens * top_k > gate_up.shape[0]:
-        return moe_grouped(x, gate_up, down, weights, ids, routing)
+        return moe_grouped(x, gate_up, down, weights, ids, routing, extras)
     flat = ids.reshape(-1)
     rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
-    hidden = silu_and_mul(torch.bmm(gate_up[flat], rows).squeeze(-1))
+    gate_up_rows = torch.bmm(gate_up[flat], rows).squeeze(-1)
+    if extras.gate_up_bias is not None:
+        gate_up_rows = gate_up_rows + extras.gate_up_bias[flat]
+    hidden = extras.activation(gate_up_rows)
     outputs = torch.bmm(down[flat], hidden.unsqueeze(-1)).squeeze(-1)
+    if extras.down_bias is not None:
+        outputs = outputs + extras.down_bias[flat]
     return weighted_sum(outputs.view(tokens, top_k, x.shape[1]), weights, routing)
 
 
 def moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               weights: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """The grouped computation in the Triton kernels of ``gpu/moe_triton.py``."""
+               weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
+               extras: ExpertExtras = PLAIN) -> torch.Tensor:
+    """The grouped computation in the Triton kernels of ``gpu/moe_triton.py`` (plain experts
+    only: ``MoE`` sends experts with extras elsewhere)."""
+    assert extras is PLAIN, "the Triton MoE kernels have no expert biases or other activation"
     from tidal.gpu.moe_triton import fused_experts
 
     scales = weights if routing.float32_weights else weights.to(x.dtype)
@@ -145,35 +197,47 @@ def _triton_importable() -> bool:
     return True
 
 
-MoePath = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                    Routing], torch.Tensor]
+MoePath = Callable[..., torch.Tensor]  # (x, gate_up, down, weights, ids, routing, extras)
 PATHS: dict[str, MoePath] = {GROUPED: moe_grouped, GATHERED: moe_gathered}
 
 
 class Experts(nn.Module):
-    """The experts' stacked weights (names as transformers 5's ``experts`` module)."""
+    """The experts' stacked weights (names as transformers 5's ``experts`` module), and with
+    ``bias`` their biases (gpt-oss's names)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj_bias = (nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+                                  if bias else None)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
 class MoE(nn.Module):
     """A sparse MoE block: the router ``gate`` and the ``experts``, run by the Triton path on
     a GPU, on the CPU by the path its ``plan`` names for the step's row count (the grouped one
-    without a plan)."""
+    without a plan). ``bias``: the router and the experts have biases; ``activation``: the
+    experts' own, over the fused ``[gate | up]`` rows (gpt-oss's)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int,
-                 routing: Routing) -> None:
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, routing: Routing,
+                 bias: bool = False, activation: Activation = silu_and_mul) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, intermediate)
+        self.gate = nn.Linear(hidden, num_experts, bias=bias)
+        self.experts = Experts(num_experts, hidden, intermediate, bias)
         self.routing = routing
+        self.activation = activation
         self.plan: Plan | None = None
 
+    def extras(self) -> ExpertExtras:
+        if self.experts.gate_up_proj_bias is None and self.activation is silu_and_mul:
+            return PLAIN
+        return ExpertExtras(self.experts.gate_up_proj_bias, self.experts.down_proj_bias,
+                            self.activation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_on_triton(x):
+        if runs_on_triton(x) and self.extras() is PLAIN:
             return self.run(x, moe_triton)
         choice = self.plan.pick(x.shape[0]) if self.plan is not None else GROUPED
         return self.run(x, PATHS[choice])
@@ -181,7 +245,7 @@ class MoE(nn.Module):
     def run(self, x: torch.Tensor, path: MoePath) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.routing)
         return path(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                    self.routing)
+                    self.routing, self.extras())
 
     def plan_key(self) -> str:
         """What the timed plan depends on: the experts' count, shapes and dtype."""

@@ -9,6 +9,12 @@ Checkpoints hold experts in one of two forms, and both load:
   ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate, up, down), each into its expert's
   slice of the stacked parameter. Mixtral's router, ``block_sparse_moe.gate``, is ``mlp.gate``.
 
+gpt-oss's checkpoints hold its experts as HF does in memory, transposed and interleaved:
+``mlp.experts.gate_up_proj`` ``[E, H, 2*I]`` with the gate and up columns alternating (its bias
+``[E, 2*I]`` too), ``mlp.experts.down_proj`` ``[E, I, H]``, and the router as ``mlp.router``
+(MXFP4 checkpoints are read into the same form, ``gpu/checkpoints/mxfp4.py``).
+``gpt_oss_layout`` puts them in the MoE block's ``[E, out, in]`` gate-then-up layout.
+
 Quantized expert weights (a GGUF's, a quantized checkpoint's) are dequantized: experts are kept
 in the model's dtype (``--quantization`` leaves them so too, ``gpu/quantization/apply.py``).
 """
@@ -16,15 +22,20 @@ in the model's dtype (``--quantization`` leaves them so too, ``gpu/quantization/
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tidal.gpu.gpt_oss_config import GPT_OSS
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight
 
 _PER_EXPERT = re.compile(r"^(?:model\.)?(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
                          r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _MIXTRAL_BLOCK = re.compile(r"^(?:model\.)?(layers\.\d+)\.block_sparse_moe\.(.+)$")
+# a gpt-oss checkpoint's MLP weight: (the layer's mlp prefix, its part)
+_GPT_OSS_MLP = re.compile(r"^(?:model\.)?(layers\.\d+\.mlp)\.(router\.(?:weight|bias)|"
+                          r"experts\.(?:gate_up_proj|down_proj)(?:_bias)?)$")
 # a per-expert matrix's name -> (stacked parameter, which half of gate_up: 0 gate, 1 up)
 _PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
           "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
@@ -64,3 +75,28 @@ def expert_slot(name: str) -> ExpertSlot | None:
         layer, rest = match.groups()
         return ExpertSlot(f"{layer}.mlp.{rest}")
     return None
+
+
+def checkpoint_layout(architecture: str,
+                      weights: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str, Weight]]:
+    """The checkpoint's weights as the loader takes them: gpt-oss's rewritten by
+    ``gpt_oss_layout``, every other architecture's as they are."""
+    return gpt_oss_layout(weights) if architecture == GPT_OSS else weights
+
+
+def gpt_oss_layout(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """gpt-oss's router renamed ``mlp.gate``; its expert matrices transposed to ``[E, out,
+    in]``, and the gate/up rows (and biases) put as a gate half then an up half."""
+    for name, value in weights:
+        match = _GPT_OSS_MLP.match(name)
+        if match is None:
+            yield name, value
+            continue
+        prefix, part = match.groups()
+        if isinstance(value, QuantizedWeight):
+            value = value.dequantize()
+        if part.endswith("proj"):
+            value = value.transpose(1, 2)
+        if part.startswith("experts.gate_up_proj"):
+            value = torch.cat([value[:, 0::2], value[:, 1::2]], dim=1)
+        yield f"{prefix}.{part.replace('router.', 'gate.')}", value.contiguous()

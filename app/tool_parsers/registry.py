@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.app.harmony import CALL, CHANNEL
 from tidal.app.tool_parsers.base import ToolParser
 from tidal.app.tool_parsers.deepseek import CALL_BEGIN, DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from tidal.app.tool_parsers.hermes import HermesToolParser
 from tidal.app.tool_parsers.llama3_json import Llama3JsonToolParser
 from tidal.app.tool_parsers.mistral import MistralToolParser
 from tidal.app.tool_parsers.mistral_v11 import MistralV11ToolParser
+from tidal.app.tool_parsers.openai import OpenAIToolParser
 from tidal.app.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -20,6 +22,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
+    "openai": OpenAIToolParser,
 }
 
 
@@ -36,6 +39,8 @@ def get_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolPars
 def default_parser(chat_template_text: str | None) -> str | None:
     """The format a chat template teaches its model, by the markers it contains."""
     text = chat_template_text or ""
+    if CHANNEL in text and CALL in text:  # Harmony (gpt-oss)
+        return "openai"
     if "<function=" in text and "<tool_call>" in text:
         return "qwen3_coder"
     if "<tool_call>" in text:

@@ -22,10 +22,12 @@ class AttentionBackend(Protocol):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention. ``query`` is ``[num_tokens, num_heads, head_dim]``
         (``num_heads`` a multiple of ``num_kv_heads``); returns the same shape. An int8 cache
         comes with its scales ``[num_blocks, block_size, num_kv_heads]``. A sliding-window
         layer gives its ``window`` (a row at position p sees keys at positions > p - window;
         0: every earlier one), a soft-capping one its ``softcap`` (scores s become
-        softcap * tanh(s / softcap); 0: none): per call, as layers differ."""
+        softcap * tanh(s / softcap); 0: none), a layer with attention sinks its ``sinks``
+        ``[num_heads]`` (a logit per query head added to each row's softmax denominator,
+        with no value; None: none): per call, as layers differ."""

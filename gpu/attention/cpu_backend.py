@@ -3,6 +3,9 @@ C++ kernel (``gpu/cpu/csrc/attention.cpp``), every float32 prefill chunk of a st
 another (``gpu/cpu/csrc/prefill_attention.cpp``), and each step's keys and values are stored by a
 third.
 
+Layers with attention sinks (gpt-oss) take the torch backend's path: the C++ kernels have no
+sinks yet.
+
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
 which gathers each request's context into a copy first and attends prefill chunks one request
 at a time.
@@ -15,7 +18,7 @@ from types import ModuleType
 import torch
 
 from tidal.gpu.attention.metadata import AttentionMetadata
-from tidal.gpu.attention.torch_ref import Scale, TorchAttentionBackend
+from tidal.gpu.attention.torch_ref import Scale, Sinks, TorchAttentionBackend
 from tidal.gpu.cpu.kernels import KERNEL_DTYPES
 from tidal.gpu.cpu.selector import KERNELS, Plan
 
@@ -41,15 +44,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 scales: tuple[Scale, Scale] = (None, None), window: int = 0,
-                softcap: float = 0.0) -> None:
+                softcap: float = 0.0, sinks: Sinks = None) -> None:
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
         own context (its last ``window`` positions, where a window is given), so rows of any
         lengths go together."""
-        if not (_kernel_dtypes(query, key_cache, value_cache, out)
+        if not (sinks is None and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.decode_plan, len(meta.decode_requests))):
             return super()._decode(query, key_cache, value_cache, meta, scale, out, scales,
-                                   window, softcap)
+                                   window, softcap, sinks)
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
                                       meta.seq_lens, requests, query_rows, scale, *scales,
@@ -58,14 +61,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
                  scales: tuple[Scale, Scale] = (None, None), window: int = 0,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: Sinks = None) -> None:
         """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
         attention keeps the half-precision chunks."""
-        if not (query.dtype == torch.float32 and _kernel_dtypes(query, key_cache, value_cache, out)
+        if not (sinks is None and query.dtype == torch.float32
+                and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.prefill_plan, meta.num_actual_tokens)):
             return super()._prefill(query, key_cache, value_cache, meta, scale, out, scales,
-                                    window, softcap)
+                                    window, softcap, sinks)
         self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
                                        meta.seq_lens, meta.query_start_loc,
                                        meta.prefill_requests_cpu, scale, *scales,

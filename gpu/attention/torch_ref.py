@@ -9,8 +9,11 @@ plainly, for tests.
 Every backend's ``forward`` also takes a layer's sliding ``window`` (0: none; a row then sees
 only the positions after its own minus ``window``) and its attention logits' ``softcap`` (0:
 none; each score ``s`` becomes ``softcap * tanh(s / softcap)`` before the softmax), as Gemma 2
-and 3 use them. Here a window is one more term of the mask; soft-capped scores take the plain
-maths, which torch's fused attention cannot run.
+and 3 use them, and its attention ``sinks`` (None: none; gpt-oss): a learned logit per query
+head that joins each row's softmax denominator (``exp(sink - max)`` is added to the sum) but
+takes no value, so a row may give less than all its weight to the keys. Here a window is one
+more term of the mask; soft-capped scores and sinks take the plain maths, which torch's fused
+attention cannot run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tidal.gpu.attention.kv_quant import dequantize, write_quantized
 from tidal.gpu.attention.metadata import AttentionMetadata
 
 Scale = torch.Tensor | None  # an int8 cache's scales [num_blocks, block_size, num_kv_heads]
+Sinks = torch.Tensor | None  # a layer's attention sinks [num_heads]: a logit per query head
 
 
 class TorchAttentionBackend:
@@ -43,35 +47,36 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: Scale = None,
-                v_scale: Scale = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                v_scale: Scale = None, window: int = 0, softcap: float = 0.0,
+                sinks: Sinks = None) -> torch.Tensor:
         out = torch.empty_like(query)
         # padding rows; every request's rows are written below
         out[meta.query_start_loc_cpu[-1]:].zero_()
         scales = (k_scale, v_scale)
         if meta.decode_requests:
             self._decode(query, key_cache, value_cache, meta, scale, out, scales, window,
-                         softcap)
+                         softcap, sinks)
         if meta.prefill_requests:
             self._prefill(query, key_cache, value_cache, meta, scale, out, scales, window,
-                          softcap)
+                          softcap, sinks)
         return out
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
                  scales: tuple[Scale, Scale] = (None, None), window: int = 0,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: Sinks = None) -> None:
         """The step's prefill chunks (``meta.prefill_requests``), one request at a time."""
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in meta.prefill_requests:
             start, end = qsl[i], qsl[i + 1]
             k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i], scales)
             out[start:end] = _attend_sdpa(query[start:end], k, v, scale, lens[i] - (end - start),
-                                          window, softcap)
+                                          window, softcap, sinks)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 scales: tuple[Scale, Scale] = (None, None), window: int = 0,
-                softcap: float = 0.0) -> None:
+                softcap: float = 0.0, sinks: Sinks = None) -> None:
         """The step's decode rows (``meta.decode_requests``), in one batched call per group
         of rows whose contexts span the same power-of-two number of blocks: every row of a
         call is gathered and attended up to the call's longest context, so one long request
@@ -84,13 +89,13 @@ class TorchAttentionBackend:
             groups.setdefault((blocks - 1).bit_length(), []).append(i)
         for group in groups.values():
             self._decode_group(query, key_cache, value_cache, meta, scale, group, out, scales,
-                               window, softcap)
+                               window, softcap, sinks)
 
     @staticmethod
     def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, rows: list[int],
                       out: torch.Tensor, scales: tuple[Scale, Scale], window: int = 0,
-                      softcap: float = 0.0) -> None:
+                      softcap: float = 0.0, sinks: Sinks = None) -> None:
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         tokens = torch.tensor([qsl[i] for i in rows], device=query.device)
         ctx = torch.tensor([lens[i] for i in rows], device=query.device)
@@ -106,7 +111,7 @@ class TorchAttentionBackend:
         if window:
             mask &= pos[None, :] >= ctx[:, None] - window
         o = _masked_attention(q, k.to(q.dtype), v.to(q.dtype), mask[:, None, None, :], scale,
-                              softcap)
+                              softcap, sinks)
         out[tokens] = o.squeeze(2)
 
 
@@ -133,7 +138,8 @@ def _gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor,
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 num_cached: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                 num_cached: int, window: int = 0, softcap: float = 0.0,
+                 sinks: Sinks = None) -> torch.Tensor:
     """``_attend`` through torch's fused attention (several times faster on the CPU).
 
     The inputs get a batch dimension: on the CPU only 4-D inputs reach the flash kernel (3-D
@@ -142,12 +148,12 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """
     length = q.shape[0]
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k.to(q.dtype), v.to(q.dtype)))
-    if num_cached == 0 and not window and not softcap:
+    if num_cached == 0 and not window and not softcap and sinks is None:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
                                              enable_gqa=True)
         return out[0].transpose(0, 1)
     mask = _visible(length, k.shape[0], num_cached, window, q.device)
-    return _masked_attention(q4, k4, v4, mask, scale, softcap)[0].transpose(0, 1)
+    return _masked_attention(q4, k4, v4, mask, scale, softcap, sinks)[0].transpose(0, 1)
 
 
 def _visible(length: int, context: int, num_cached: int, window: int,
@@ -161,22 +167,39 @@ def _visible(length: int, context: int, num_cached: int, window: int,
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float, softcap: float) -> torch.Tensor:
+                      scale: float, softcap: float, sinks: Sinks = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, L, D]`` over ``k``/``v`` ``[B, KVH, S, D]`` where ``mask``
-    allows: torch's fused kernel, or with ``softcap`` the plain maths (as HF's eager path)."""
-    if not softcap:
+    allows: torch's fused kernel, or with ``softcap`` or ``sinks`` the plain maths (as HF's
+    eager path)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _softmax_with_sinks(scores, sinks, heads_dim=1).to(q.dtype)
     return torch.matmul(probs, v)
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: Sinks, heads_dim: int) -> torch.Tensor:
+    """The float32 softmax over the last dimension of ``scores``, whose dimension
+    ``heads_dim`` counts the query heads; with ``sinks``, each head's sink logit joins the
+    denominator as one more column, dropped from the result."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    shape = [1] * scores.dim()
+    shape[heads_dim] = -1
+    sink = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores.float(), sink], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            num_cached: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+            num_cached: int, window: int = 0, softcap: float = 0.0,
+            sinks: Sinks = None) -> torch.Tensor:
     """Causal attention of ``q`` ``[L, H, D]`` (the last L positions) over ``k``/``v``."""
     length, heads, dim = q.shape
     kvh = k.shape[1]
@@ -187,7 +210,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~_visible(length, k.shape[0], num_cached, window, q.device),
                         float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # each head's sink logit: one more column of its softmax, which has no value
+        sink = sinks.float().view(kvh, heads // kvh, 1, 1).expand(-1, -1, length, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     out = torch.matmul(probs, v.permute(1, 0, 2).float()[:, None])  # [KVH, G, L, D]
     return out.permute(2, 0, 1, 3).reshape(length, heads, dim).to(q.dtype)
 
@@ -195,7 +222,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, meta: AttentionMetadata,
                               scale: float, window: int = 0,
-                              softcap: float = 0.0) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: Sinks = None) -> torch.Tensor:
     """Per-request loop, no batching tricks: the simplest statement of the maths, for tests."""
     out = torch.zeros_like(query)
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -203,5 +230,5 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
         start, end = qsl[i], qsl[i + 1]
         k, v = _gather_context(key_cache, value_cache, meta.block_table[i], lens[i])
         out[start:end] = _attend(query[start:end], k, v, scale, lens[i] - (end - start),
-                                 window, softcap)
+                                 window, softcap, sinks)
     return out

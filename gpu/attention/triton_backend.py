@@ -31,20 +31,21 @@ class TritonAttentionBackend:
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
         if meta.is_decode_only:
             rows = meta.num_reqs  # one query row per request, in request order
             kernels.paged_decode(query[:rows], key_cache, value_cache, meta.block_table,
                                  meta.seq_lens, scale, meta.max_seq_len, out=out[:rows],
                                  k_scale=k_scale, v_scale=v_scale, window=window,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
         else:
             rows = meta.num_actual_tokens
             kernels.paged_prefill(query, key_cache, value_cache, meta.block_table,
                                   meta.seq_lens, meta.query_start_loc, scale,
                                   meta.max_query_len, out=out, k_scale=k_scale,
-                                  v_scale=v_scale, window=window, softcap=softcap)
+                                  v_scale=v_scale, window=window, softcap=softcap,
+                                  sinks=sinks)
         if query.shape[0] > rows:  # padding rows: zeros, as the torch backend gives
             out[rows:].zero_()
         return out

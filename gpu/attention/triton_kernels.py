@@ -18,6 +18,8 @@ Three jobs (layout in ``gpu.attention.metadata``):
 
 Softmax runs in base 2 (``exp2``) with the scale folded into the scores, accumulating in
 float32 (with soft-capping, the cap is applied to the plainly scaled scores first).
+A layer's attention sinks (``SINKS``: a logit per query head) join each row's denominator once
+its keys are done (``_add_sink``); split decode adds them in the merge.
 A sliding-window layer's ``window`` (``WINDOWED``) starts each row's keys at its window: decode
 splits cover only the window, and a prefill tile starts at its first row's earliest visible
 key and masks below each row's.
@@ -32,7 +34,6 @@ how the CPU tests exercise them.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 import torch
 
@@ -47,15 +48,18 @@ from tidal.gpu.attention.triton_cache_write import (  # noqa: E402
     check_cache,
     write_kv,
 )
+from tidal.gpu.attention.triton_sizing import (  # noqa: E402
+    MAX_DECODE_SPLITS,
+    MIN_DOT,
+    decode_num_splits,
+    default_block_n,
+    dot_precision,
+    interpreting,
+    needs_upcast,
+    scale_pointers,
+)
 
 LOG2E = 1.4426950408889634
-MAX_DECODE_SPLITS = 32
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
-MIN_DOT = 16  # tl.dot wants every dimension >= 16 on the GPU
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------
@@ -94,12 +98,23 @@ def _soft_cap(s, cap):
     return tl.where(t < 0, -magnitude, magnitude) * cap
 
 
+@triton.jit
+def _add_sink(acc, l_i, m_i, sinks_ptr, heads, mask):
+    """``acc`` and ``l_i`` (rows at the base-2 running max ``m_i``) with each row's head's
+    sink logit joined to its denominator, both rescaled to the larger of the two maxima."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_all = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_all)  # 0 for a row that saw no key
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_all)
+
+
 # --------------------------------------------------------------------------------------
 # decode: split-K paged attention and the merge of the splits
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
-                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, scale, window, softcap,
+                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr, scale, window,
+                   softcap,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    c_stride_b, c_stride_s, c_stride_h, bt_stride,
                    mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
@@ -107,7 +122,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
                    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,6 +165,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS and not SPLIT:  # split outputs get theirs in the merge
+        acc, l_i = _add_sink(acc, l_i, m_i, sinks_ptr, heads, g_mask)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -164,10 +181,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
 
 
 @triton.jit
-def _merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
+def _merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, sinks_ptr,
                          mo_stride_r, mo_stride_h, mo_stride_s, ml_stride_r, ml_stride_h,
                          o_stride_t, o_stride_h, head_dim, num_splits,
-                         SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, SINKS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -177,31 +194,20 @@ def _merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
     lse = tl.load(mid_lse_ptr + r * ml_stride_r + h * ml_stride_h + s, mask=s_mask,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    sink = m  # unread without sinks
+    if SINKS:  # the head's sink logit, in base 2, is one more term of the denominator
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
     o = tl.load(mid_o_ptr + r * mo_stride_r + h * mo_stride_h + s[:, None] * mo_stride_s
                 + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + r * o_stride_t + h * o_stride_h + d, res.to(out_ptr.dtype.element_ty),
              mask=d_mask)
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, but none shorter than
-    ``MIN_SPLIT_TOKENS`` of the longest context. Depends only on host values, so a CUDA graph
-    captured with ``max_seq_len`` = the model's context length serves every shorter one."""
-    wanted = -(-2 * _num_sms(device) // max(1, num_reqs * num_kv_heads))
-    by_length = -(-max_seq_len // MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, by_length, MAX_DECODE_SPLITS))
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -210,11 +216,12 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  num_splits: int | None = None, block_n: int | None = None,
                  k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, window: int = 0,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query row ``i`` (``[num_reqs, heads, head_dim]``) over the first
     ``seq_lens[i]`` tokens of request ``i``'s blocks (their last ``window``, where given;
     scores soft-capped by ``softcap``, where given). A request with ``seq_len`` 0 (padding)
-    gets zeros. An int8 cache comes with its scales."""
+    gets zeros. An int8 cache comes with its scales; a layer with attention sinks its
+    ``sinks`` ``[heads]``."""
     check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
     num_reqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[2]
@@ -226,7 +233,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if num_splits is None:
         attended = min(max_seq_len, window) if window else max_seq_len
         num_splits = decode_num_splits(num_reqs, kvh, attended, query.device)
-    block_n = block_n or _default_block_n(block_size)
+    block_n = block_n or default_block_n(block_size)
     dim = max(MIN_DOT, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         mid_o = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32,
@@ -236,22 +243,24 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     else:  # unused: the kernel writes the output directly
         mid_o = mid_lse = out
     _decode_kernel[(num_reqs, kvh, num_splits)](
-        query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), block_table,
-        seq_lens, out, mid_o, mid_lse,
+        query, key_cache, value_cache, *scale_pointers(key_cache, k_scale, v_scale), block_table,
+        seq_lens, out, mid_o, mid_lse, query if sinks is None else sinks,
         scale if softcap else scale * LOG2E, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=_precision(query),
-        UPCAST=_upcast(query), QUANT=k_scale is not None, WINDOWED=window > 0,
-        SOFTCAP=softcap > 0)
+        BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=dot_precision(query),
+        UPCAST=needs_upcast(query), QUANT=k_scale is not None, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None)
     if num_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_o, mid_lse, out, query if sinks is None else sinks,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), head_dim,
-            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), DIM=dim)
+            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), DIM=dim,
+            SINKS=sinks is not None)
     return out
 
 
@@ -260,14 +269,15 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window, softcap,
+                    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, scale, window,
+                    softcap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_b, c_stride_s, c_stride_h, bt_stride,
                     group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, QUANT: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     r = tl.program_id(0)
     q_tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -325,6 +335,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS:
+        acc, l_i = _add_sink(acc, l_i, m_i, sinks_ptr, heads, row_mask)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * o_stride_t + heads[:, None] * o_stride_h
              + d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -336,12 +348,12 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   out: torch.Tensor | None = None, block_q: int | None = None,
                   block_n: int | None = None, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, window: int = 0,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's query rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (its last tokens) over its ``seq_lens[i]``
     cached tokens (within ``window``, where given; scores soft-capped by ``softcap``). Rows
     outside every request are left as they are in ``out``. An int8 cache comes with its
-    scales."""
+    scales; a layer with attention sinks its ``sinks`` ``[heads]``."""
     check_cache(key_cache, value_cache, k_scale, v_scale)
     query = _last_dim_contiguous(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -356,43 +368,21 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         block_q = max(1, 64 // group_pad)
     block_q = max(block_q, -(-MIN_DOT // group_pad))
     block_q = min(block_q, max(triton.next_power_of_2(max_query_len), -(-MIN_DOT // group_pad)))
-    block_n = block_n or _default_block_n(block_size)
+    block_n = block_n or default_block_n(block_size)
     grid = (num_reqs, -(-max_query_len // block_q), kvh)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, *_scales(key_cache, k_scale, v_scale), out, block_table,
-        seq_lens, query_start_loc,
+        query, key_cache, value_cache, *scale_pointers(key_cache, k_scale, v_scale), out,
+        block_table, seq_lens, query_start_loc, query if sinks is None else sinks,
         scale if softcap else scale * LOG2E, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         group, head_dim,
         BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         DIM=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        PRECISION=_precision(query), UPCAST=_upcast(query), QUANT=k_scale is not None,
-        WINDOWED=window > 0, SOFTCAP=softcap > 0)
+        PRECISION=dot_precision(query), UPCAST=needs_upcast(query), QUANT=k_scale is not None,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None)
     return out
 
 
-# --------------------------------------------------------------------------------------
-def _default_block_n(block_size: int) -> int:
-    """Keys per tile: 64 on the GPU; 16 in the interpreter, where padding costs numpy time."""
-    return MIN_DOT if interpreting() else max(64, min(block_size, 128))
-
-
-def _precision(query: torch.Tensor) -> str:
-    """float32 keeps full precision (Triton would use TF32); bf16/fp16 ignore the setting."""
-    return "ieee" if query.dtype == torch.float32 else "tf32"
-
-
-def _upcast(query: torch.Tensor) -> bool:
-    """The interpreter's ``tl.dot`` misreads bfloat16 operands: give it float32 there (the
-    query's dtype is the cache's, or the dtype an int8 cache is dequantized to)."""
-    return interpreting() and query.dtype == torch.bfloat16
-
-
-def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None,
-            v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scale pointers a kernel takes: an int8 cache's scales, or (unread) the cache."""
-    return (k_scale, v_scale) if k_scale is not None and v_scale is not None else (cache, cache)
-
-
-__all__ = ["decode_num_splits", "interpreting", "paged_decode", "paged_prefill", "write_kv"]
+__all__ = ["MAX_DECODE_SPLITS", "decode_num_splits", "interpreting", "paged_decode",
+           "paged_prefill", "write_kv"]

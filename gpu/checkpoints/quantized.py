@@ -8,11 +8,13 @@ from pathlib import Path
 from tidal.gpu.checkpoints.compressed_tensors import compressed_tensors_weights
 from tidal.gpu.checkpoints.gptq_awq import awq_weights, gptq_weights
 from tidal.gpu.checkpoints.int_packing import Weight
+from tidal.gpu.checkpoints.mxfp4 import mxfp4_weights
 
 READERS: dict[str, Callable[[Path, dict], Iterator[tuple[str, Weight]]]] = {
     "gptq": gptq_weights,
     "awq": awq_weights,
     "compressed-tensors": compressed_tensors_weights,
+    "mxfp4": mxfp4_weights,  # gpt-oss's experts, dequantized to float as they are read
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from tidal.gpu.models.gemma import GemmaForCausalLM
+from tidal.gpu.models.gpt_oss import GptOssForCausalLM
 from tidal.gpu.models.llama import LlamaForCausalLM
 from tidal.gpu.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -19,4 +20,5 @@ MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }

@@ -1,11 +1,10 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
 
 All requests' tokens of a step form one ``[num_tokens]`` batch without padding; attention reads
-and writes the paged KV cache through the attention backend. q/k/v and gate/up projections are
-fused into single matmuls at load time. Under tensor parallelism each rank builds the model
-from its ``local_config`` (``gpu/weight_shards.py``) and all-reduces the partial sums of the
-output and down projections (the embedding does its own). Which kernels run each layer is the
-layers' concern (``gpu/layers.py``) and the runner's (``gpu/model_runner.py``), not this file's.
+and writes the paged KV cache through the attention backend; q/k/v and gate/up are fused at load
+time. Under tensor parallelism each rank builds the model from its ``local_config``
+(``gpu/weight_shards.py``) and all-reduces the output and down projections' partial sums. Which
+kernels run each layer is the layers' concern (``gpu/layers.py``) and the runner's, not this file's.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -42,6 +41,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.window = 0  # a sliding window's length (gpu/models/gemma.py); 0: none
         self.softcap = 0.0  # soft-capping of the attention logits; 0: none
+        self.sinks: nn.Parameter | None = None  # attention sinks, a logit a head (gpt-oss)
         self.tp = tensor_parallel()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         key_cache, value_cache, *scales = kv_cache
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
         out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales,
-                                   window=self.window, softcap=self.softcap)
+                                   window=self.window, softcap=self.softcap, sinks=self.sinks)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

@@ -14,13 +14,14 @@ from tidal.app.reasoning import (
     default_format,
     get_format,
     split_reasoning,
+    splitter_for,
 )
 
 QWEN3, R1 = get_format("qwen3"), get_format("deepseek_r1")
 
 
 def streamed(fmt, pieces: list[str]) -> tuple[str | None, str]:
-    splitter = ReasoningSplitter(fmt)
+    splitter = splitter_for(fmt)
     deltas = [splitter.feed(p) for p in pieces] + [splitter.finish()]
     return "".join(d.reasoning for d in deltas) or None, "".join(d.content for d in deltas)
 

@@ -217,9 +217,12 @@ CHOICES = [("auto", True), ("auto", False), ("required", True), ("required", Fal
 AGAIN = {"hermes": "\n<tool_call>", "llama3_json": '; {"name": ', "mistral": "",
          "mistral_v11": "[TOOL_CALLS]", "qwen3_coder": "\n<tool_call>", "deepseek_v3": "",
          "deepseek_v31": ""}
+# the formats whose grammar holds the text their parser reads; openai's holds the raw Harmony
+# reply, which the gpt_oss splitter rewrites first (test_harmony_tools.py walks it)
+WALKED = [n for n in NAMES if n != "openai"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WALKED)
 @pytest.mark.parametrize("choice,parallel", CHOICES)
 def test_constrained_replies_parse_and_validate(walker, name, choice, parallel):
     compiler, walker = walker
@@ -256,7 +259,7 @@ def check_constrained_reply(parser: ToolParser, text: str, choice, parallel: boo
         assert reply.content is None
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WALKED)
 def test_a_named_function_is_called_exactly_once(walker, name):
     """After the one call of a named ``tool_choice`` the grammar ends (parallel calls
     allowed or not): a second call cannot begin, and only a stop token can follow."""

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from tidal.app.harmony import CALL_ARGUMENTS, CALL_HEADER
 from tidal.app.tool_parsers import (
     PARSERS,
     ParsedReply,
@@ -77,6 +78,8 @@ def render_calls(parser: str, calls: list[tuple[str, str]]) -> str:
     if parser == "deepseek_v3":
         return DS_CALLS + "\n".join(f"{DS_CALL}function{DS_SEP}{n}\n```json\n{a}\n```"
                                     f"{DS_CALL_END}" for n, a in calls) + DS_CALLS_END
+    if parser == "openai":  # as the gpt_oss reasoning splitter leaves Harmony's calls
+        return "".join(f"{CALL_HEADER}{n}{CALL_ARGUMENTS}{a}" for n, a in calls)
     assert parser == "deepseek_v31", parser
     return DS_CALLS + "".join(f"{DS_CALL}{n}{DS_SEP}{a}{DS_CALL_END}"
                               for n, a in calls) + DS_CALLS_END
@@ -303,6 +306,10 @@ GARBAGE = {
     "deepseek_v31": [f"{DS_CALLS}{DS_CALL}f{DS_SEP}[]{DS_CALL_END}{DS_CALLS_END}",
                      f"{DS_CALLS}{DS_CALL}f{DS_SEP}{{}}{DS_CALLS_END}",
                      f"{DS_CALLS}function{DS_SEP}f{DS_CALL_END}{DS_CALLS_END}"],
+    # Harmony's calls as the gpt_oss splitter leaves them (it drops malformed ones itself)
+    "openai": [f"{CALL_HEADER}f{CALL_ARGUMENTS}[1]",
+               f"{CALL_HEADER}f{CALL_ARGUMENTS}{{\"a\": tru}}",
+               f"{CALL_HEADER}{CALL_ARGUMENTS}{{}}", f"{CALL_HEADER}f <|message|>{{}}"],
 }
 
 
@@ -310,7 +317,7 @@ NOT_A_CALL = {"hermes": "<tool_call>not json</tool_call>", "mistral": "[TOOL_CAL
               "llama3_json": '<|python_tag|>brave_search.call(query="x")',
               "mistral_v11": "[TOOL_CALLS]f {}", "qwen3_coder": GARBAGE["qwen3_coder"][1],
               "deepseek_v3": GARBAGE["deepseek_v3"][1],
-              "deepseek_v31": GARBAGE["deepseek_v31"][2]}
+              "deepseek_v31": GARBAGE["deepseek_v31"][2], "openai": GARBAGE["openai"][0]}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -343,6 +350,7 @@ ARGUMENTS_FIRST = {
                    "\n</tool_call>",
     "deepseek_v3": render_calls("deepseek_v3", [("f", '{"x": "é😀"}')]),
     "deepseek_v31": render_calls("deepseek_v31", [("f", '{"x": "é😀"}')]),
+    "openai": render_calls("openai", [("f", '{"x": "é😀"}')]),
 }
 
 
