@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length in tokens (default: the model's "
                        "max_position_embeddings)")
+    model.add_argument("--runner", default=defaults.runner, choices=RUNNERS,
+                       help="'generate' serves text; 'pooling' serves embeddings, scores and "
+                       "reranking (/v1/embeddings, /v1/score, /v1/rerank): each request one "
+                       "prefill, pooled as the model's sentence-transformers files say "
+                       "(docs/embeddings.md)")
 
     server = serve.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
@@ -156,11 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "in 8 bits with a float32 scale per token and KV head: about twice the "
                         "tokens in the same memory (four times a float32 model's), and half "
                         "the bytes each decode step reads")
-    engine.add_argument("--runner", default=defaults.runner, choices=RUNNERS,
-                        help="'generate' serves text; 'pooling' serves embeddings, scores and "
-                        "reranking (/v1/embeddings, /v1/score, /v1/rerank): each request one "
-                        "prefill, pooled as the model's sentence-transformers files say "
-                        "(docs/embeddings.md)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching,
                         help="reuse the KV cache of shared prompt prefixes")

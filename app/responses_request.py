@@ -62,6 +62,10 @@ class PreparedResponse:
         return self.chat.timeout
 
     @property
+    def priority(self) -> int:
+        return self.chat.priority
+
+    @property
     def arrival(self) -> Arrival | None:
         return self.chat.arrival
 
