@@ -428,7 +428,7 @@ def test_serve_help_groups_flags_by_topic() -> None:
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
     assert groups["model"] == ["model", "tokenizer", "served_model_name", "dtype", "quantization",
-                               "quantization_group_size", "max_model_len"]
+                               "quantization_group_size", "max_model_len", "runner"]
     assert groups["server"] == ["host", "port"]
     assert "max_num_batched_tokens" in groups["engine and scheduler"]
     assert {"device", "cpu_kernels", "enforce_eager"} <= set(groups["device (CPU and GPU)"])
