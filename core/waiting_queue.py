@@ -11,7 +11,19 @@ from collections.abc import Callable, Iterator
 from tidal.core.request import Request, RequestStatus
 
 
-class FairQueue:
+class _Headed:
+    """``queue[0]``, the head, as a deque offers it: the one index the scheduler uses."""
+
+    def peek(self) -> Request:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> Request:
+        if index != 0:
+            raise IndexError("only the head of the waiting queue is indexed")
+        return self.peek()
+
+
+class FairQueue(_Headed):
     """The waiting requests: resumed ones (preempted, their place kept) first, in order, then
     one lane per client (``Request.client``), taken round-robin: after a request of one client
     is taken, the next client's turn comes. One client's 2,048 waiting sequences then delay
@@ -45,11 +57,6 @@ class FairQueue:
                     yield request
                     alive.append(lane)
             lanes = alive
-
-    def __getitem__(self, index: int) -> Request:
-        if index != 0:
-            raise IndexError("only the head of the waiting queue is indexed")
-        return self.peek()
 
     @property
     def num_clients(self) -> int:
@@ -162,7 +169,7 @@ class FairQueue:
         self._len -= 1
 
 
-class PriorityQueue:
+class PriorityQueue(_Headed):
     """The waiting requests under ``--scheduling-policy priority``: one ``FairQueue`` per
     priority level, the lowest value taken first (vLLM's meaning), ties by client in turn and
     then by arrival. A preempted request goes back among its level's resumed requests in order
@@ -194,11 +201,6 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         for level in self._ordered():
             yield from level
-
-    def __getitem__(self, index: int) -> Request:
-        if index != 0:
-            raise IndexError("only the head of the waiting queue is indexed")
-        return self.peek()
 
     @property
     def num_clients(self) -> int:
