@@ -221,7 +221,8 @@ class EngineCore:
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
             early = self._process(previous)
-        sched.grammar_bitmask = self.structured.bitmask(sched.structured_req_ids)
+        sched.grammar_bitmask = self.structured.bitmask(sched.structured_req_ids,
+                                                      sched.scheduled_spec_decode_tokens)
         self.profiler.lap("grammar")
         return early
 

@@ -74,7 +74,8 @@ class Scheduler(BatchSharing, StepUpdates):
         self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
         self._preemption_warning = RateLimitedWarning(logger)
         self.service = ServiceCounters(config.client_burst_tokens or 4 * config.max_num_seqs)
-        self.speculator = (Speculator(config.speculative, config.max_model_len)
+        self.speculator = (Speculator(config.speculative, config.max_model_len,
+                                      structured)
                            if config.speculative is not None else None)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's proposals
 

@@ -29,10 +29,12 @@ class NewRequestData:
 @dataclass
 class GrammarBitmask:
     """The allowed next tokens of a step's constrained rows: bit ``t % 32`` of word ``t // 32``
-    of a row is set when token ``t`` may come next."""
+    of a row is set when token ``t`` may come next. A request with speculative proposals has a
+    row per logits row of its (``num_rows``), one after each proposal."""
 
     req_ids: list[str]
-    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab / 32)]
+    bitmask: np.ndarray  # int32 [sum(num_rows), ceil(vocab / 32)]
+    num_rows: list[int] | None = None  # rows per request in order; None: one each
 
 
 @dataclass

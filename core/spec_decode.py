@@ -10,9 +10,13 @@ prefix hits, never one holding a proposal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidal.core.ngram_proposer import SpeculativeConfig, propose_ngram
 from tidal.core.request import Request
+
+if TYPE_CHECKING:
+    from tidal.core.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -25,19 +29,20 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.structured = structured  # constrained requests' matchers check their proposals
         self.stats = SpecDecodeStats()
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
 
     def propose(self, request: Request, budget: int) -> list[int]:
         """Proposals for a decoding ``request`` (its known tokens all computed after this
         step's one), within ``budget - 1`` more tokens. None for a request still prefilling
-        (its last prompt token included) nor for a constrained one, whose grammar checks one
-        token at a time."""
-        if (not request.num_output_tokens
-                or request.sampling_params.structured_outputs is not None):
+        (its last prompt token included). A constrained request's proposals are cut at the
+        first its grammar refuses, so each proposed position has a bitmask to verify with."""
+        if not request.num_output_tokens:
             return []
         cfg = self.config
         k = min(cfg.num_speculative_tokens, budget - 1,
@@ -45,8 +50,13 @@ class Speculator:
                 self.max_model_len - request.num_tokens - 1)
         if k <= 0:
             return []
-        return propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
-                             cfg.prompt_lookup_max)
+        drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
+                               cfg.prompt_lookup_max)
+        if drafts and request.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                return []
+            drafts = self.structured.allowed_prefix(request.request_id, drafts)
+        return drafts
 
     def scheduled(self, request: Request, drafts: list[int]) -> None:
         """``drafts`` run for ``request`` in this step."""

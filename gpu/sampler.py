@@ -54,16 +54,22 @@ class Sampler:
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask,
                           row_req_ids: list[str]) -> None:
     """Set to -inf the logits of the tokens each constrained row's grammar does not allow
-    next; ``row_req_ids`` names the request of each row of ``logits``. Runs before every other
-    logits edit, so temperature, top-k/p and penalties only see allowed tokens."""
+    next; ``row_req_ids`` names the request of each row of ``logits`` (a request's rows
+    consecutive, one per bitmask row of its). Runs before every other logits edit, so
+    temperature, top-k/p and penalties only see allowed tokens."""
     import xgrammar as xgr  # imported by the compile of the grammar that made the bitmask
 
-    index = {req_id: i for i, req_id in enumerate(row_req_ids)}
+    first: dict[str, int] = {}
+    for i, req_id in enumerate(row_req_ids):
+        first.setdefault(req_id, i)
     full = np.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=np.int32)
-    for req_id, row in zip(grammar.req_ids, grammar.bitmask):
-        i = index.get(req_id)
+    num_rows = grammar.num_rows or [1] * len(grammar.req_ids)
+    src = 0
+    for req_id, n in zip(grammar.req_ids, num_rows):
+        i = first.get(req_id)
         if i is not None:
-            full[i] = row
+            full[i:i + n] = grammar.bitmask[src:src + n]
+        src += n
     mask = torch.from_numpy(full)
     if not logits.is_cpu:
         mask = mask.pin_memory().to(logits.device, non_blocking=True)

@@ -1,7 +1,12 @@
 """The engine's side of constrained decoding: each constrained request's grammar compiles off
 the engine thread while the request waits (``WAITING_FOR_GRAMMAR``); once it is running, every
 step that samples it fills its row of the token bitmask from its matcher, and every token it
-accepts advances the matcher, in order."""
+accepts advances the matcher, in order.
+
+With speculative decoding a constrained request's proposals are first cut to the prefix its
+grammar allows (``allowed_prefix``), and its step gets a bitmask row per proposed position:
+the matcher is walked over the proposals to fill them and rolled back, so it holds only
+accepted tokens when the verified ones are fed to it (docs/speculative-decoding.md)."""
 
 from __future__ import annotations
 
@@ -86,23 +91,62 @@ class StructuredOutputManager:
         self._matchers.pop(req_id, None)
         self._pending.pop(req_id, None)  # the compile goes on: the cache shares it
 
-    def bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+    def allowed_prefix(self, req_id: str, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` that ``req_id``'s grammar accepts without ending
+        (a stop token is the target's to choose); the matcher is left as it was."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None:
+            return []
+        n, ended = 0, False
+        for token_id in tokens:
+            if not matcher.accept_token(token_id):
+                break
+            n += 1
+            ended = matcher.is_terminated()
+            if ended:
+                break
+        if n:
+            matcher.rollback(n)
+        return tokens[:n - 1] if ended else tokens[:n]
+
+    def bitmask(self, req_ids: list[str], drafts: dict[str, list[int]] | None = None
+                ) -> GrammarBitmask | None:
         """The bitmask rows of the constrained requests among ``req_ids`` (those about to
-        sample), or None when none is constrained."""
+        sample), or None when none is constrained: one row each, or with ``drafts`` (their
+        proposals, which their grammars accept) one more per proposal, row ``j`` allowing
+        what may follow the first ``j`` proposals."""
         rows = [r for r in req_ids if r in self._matchers]
         if not rows:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size).numpy()
+        drafts = drafts or {}
+        num_rows = [1 + len(drafts.get(r, ())) for r in rows]
+        bitmask = xgr.allocate_token_bitmask(sum(num_rows), self.vocab_size).numpy()
         matchers = [self._matchers[r] for r in rows]
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
-        else:
+        if len(matchers) > 1 and max(num_rows) == 1:
             if self._batcher is None:
                 self._batcher = xgr.BatchGrammarMatcher(max_threads=1)
             self._batcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        return GrammarBitmask(rows, bitmask)
+        else:
+            start = 0
+            for req_id, matcher in zip(rows, matchers):
+                start = _fill_rows(matcher, drafts.get(req_id, []), bitmask, start)
+        return GrammarBitmask(rows, bitmask, num_rows)
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: Any, start: int
+               ) -> int:
+    """Fill rows ``start ..`` of ``bitmask``: the matcher's next tokens, then after each of
+    ``drafts`` in turn; the matcher is rolled back. Returns the next free row."""
+    matcher.fill_next_token_bitmask(bitmask, start)
+    for j, token_id in enumerate(drafts, 1):
+        accepted = matcher.accept_token(token_id)
+        assert accepted, "a proposal the grammar refuses (allowed_prefix cuts those)"
+        matcher.fill_next_token_bitmask(bitmask, start + j)
+    if drafts:
+        matcher.rollback(len(drafts))
+    return start + 1 + len(drafts)

@@ -5,8 +5,6 @@ prefix caching, stops inside an accepted run), with the acceptance counters movi
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,6 @@ from tests.device import on_test_device
 from tidal.app.metrics import ServerMetrics
 from tidal.core import LLM, SamplingParams
 from tidal.core.scheduler_output import NewRequestData
-from tidal.core.structured_output import StructuredOutputsParams
 from tidal.gpu.input_batch import InputBatch
 from tidal.gpu.random_model import build_model_dir
 from tidal.gpu.sampler import process_logits
@@ -197,20 +194,3 @@ def test_sampling_with_proposals_replays_its_seed_and_keeps_n(echo_model):
     assert [[c.token_ids for c in o.outputs] for o in first] == \
         [[c.token_ids for c in o.outputs] for o in again]
     assert all(len(c.token_ids) == 24 for o in first for c in o.outputs)
-
-
-@pytest.mark.gpu
-def test_constrained_rows_get_no_proposals_and_keep_their_grammar(echo_model):
-    pytest.importorskip("xgrammar")
-    args = on_test_device(dtype="float32", max_num_seqs=4)
-    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    digits = SamplingParams(temperature=0.0, max_tokens=12,
-                            structured_outputs=StructuredOutputsParams(regex="[0-9]{4}x"))
-    prompts = _prompts()[2:]
-    plain = LLM(echo_model, **args).generate(prompts * 2, [free] * 2 + [digits] * 2,
-                                             use_tqdm=False)
-    spec = LLM(echo_model, speculative_config=SPEC, **args)
-    mixed = spec.generate(prompts * 2, [free] * 2 + [digits] * 2, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]
-    assert all(re.fullmatch("[0-9]{4}x", o.outputs[0].text) for o in mixed[2:])
-    assert spec.engine.stats().spec_decode_num_accepted_tokens > 0
