@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative decoding, vLLM's JSON shape: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
                         "\"prompt_lookup_max\": 5}' proposes up to 4 tokens a step from the "
-                        "prompt and output so far, verified by the model in the same step "
+                        "prompt and output so far, verified by the model in the same step; "
+                        "'{\"method\": \"suffix\"}' also from recent requests' outputs "
                         "(turns async scheduling off; docs/speculative-decoding.md)")
     engine.add_argument("--request-timeout", type=_positive_seconds, default=None,
                         metavar="SECONDS", help="abort a request still waiting or running this "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.core.ngram_proposer import SpeculativeConfig, parse_speculative_config
+from tidal.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Tokens per step when none is given. A CPU step costs about the same per token from a few

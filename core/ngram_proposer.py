@@ -1,4 +1,4 @@
-"""Speculative decoding's configuration and its first proposer, n-gram prompt lookup.
+"""Speculative decoding's n-gram (prompt lookup) proposer.
 
 The proposer finds the most recent earlier occurrence of a request's last ``n`` tokens (its
 prompt and output so far), trying ``n`` from ``prompt_lookup_max`` down to
@@ -9,58 +9,7 @@ never correctness.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
-from typing import Any
-
 import numpy as np
-
-SPECULATIVE_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` shape; only the ``ngram`` method so far."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4  # most proposed tokens per request and step (k)
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported; tidal "
-                             f"has {', '.join(SPECULATIVE_METHODS)} (prompt lookup)")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative {name} must be a positive integer, "
-                                 f"got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) is "
-                             f"above prompt_lookup_max ({self.prompt_lookup_max})")
-
-
-def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None
-                             ) -> SpeculativeConfig | None:
-    """A config from a dict, its JSON text (the command line's) or a config; None stays."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative config must be a JSON object, got {value!r}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative config has unknown keys {unknown}; tidal reads "
-                         f"{sorted(known)}")
-    if "method" not in value:
-        raise ValueError("speculative config needs a method (\"ngram\")")
-    return SpeculativeConfig(**value)
 
 
 def propose_ngram(token_ids: list[int] | np.ndarray, k: int, n_min: int, n_max: int

@@ -30,7 +30,7 @@ from tidal.core.spec_decode import Speculator
 from tidal.core.waiting_queue import FairQueue, PriorityQueue
 
 if TYPE_CHECKING:
-    from tidal.core.ngram_proposer import SpeculativeConfig
+    from tidal.core.speculative_config import SpeculativeConfig
     from tidal.core.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -391,6 +391,8 @@ class Scheduler(BatchSharing, StepUpdates):
         self.kv.free(request)
         if self.structured is not None:
             self.structured.remove(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finished(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 

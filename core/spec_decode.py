@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tidal.core.ngram_proposer import SpeculativeConfig, propose_ngram
+from tidal.core.ngram_proposer import propose_ngram
 from tidal.core.request import Request
+from tidal.core.speculative_config import SpeculativeConfig
+from tidal.core.suffix_proposer import SuffixProposer
 
 if TYPE_CHECKING:
     from tidal.core.structured_output.manager import StructuredOutputManager
@@ -34,6 +36,11 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.structured = structured  # constrained requests' matchers check their proposals
+        self.suffix = (SuffixProposer(config.suffix_decoding_max_tree_depth,
+                                      config.suffix_decoding_max_cached_requests,
+                                      config.suffix_decoding_max_spec_factor,
+                                      config.suffix_decoding_min_token_prob)
+                       if config.method == "suffix" else None)
         self.stats = SpecDecodeStats()
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
 
@@ -50,8 +57,11 @@ class Speculator:
                 self.max_model_len - request.num_tokens - 1)
         if k <= 0:
             return []
-        drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
-                               cfg.prompt_lookup_max)
+        if self.suffix is not None:
+            drafts = self.suffix.propose(request.request_id, request.all_token_ids, k)
+        else:
+            drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
+                                   cfg.prompt_lookup_max)
         if drafts and request.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 return []
@@ -71,6 +81,13 @@ class Speculator:
             return
         self.stats.num_accepted_tokens += num_sampled - 1
         request.num_computed_tokens -= k + 1 - num_sampled
+
+    def finished(self, request: Request) -> None:
+        """``request`` is done (stopped, aborted or failed): what it held goes, and suffix
+        decoding keeps its output for the requests after it."""
+        self._in_step.pop(request.request_id, None)
+        if self.suffix is not None:
+            self.suffix.finished(request.request_id, request.output_token_ids)
 
     def new_step(self) -> None:
         """A step is being scheduled: the last one's requests are settled (or finished)."""

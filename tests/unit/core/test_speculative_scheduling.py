@@ -8,12 +8,14 @@ import pytest
 
 from tidal.core.config import EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
-from tidal.core.ngram_proposer import SpeculativeConfig, parse_speculative_config, propose_ngram
+from tidal.core.ngram_proposer import propose_ngram
 from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams
 from tidal.core.scheduler import Scheduler, SchedulerConfig
 from tidal.core.scheduler_output import ModelRunnerOutput
+from tidal.core.speculative_config import SpeculativeConfig, parse_speculative_config
 from tidal.core.structured_output import StructuredOutputsParams
+from tidal.core.suffix_proposer import SuffixProposer
 
 # -- the proposer ---------------------------------------------------------------------------
 
@@ -48,6 +50,14 @@ def test_config_takes_vllms_shape_and_refuses_the_rest(tmp_path):
                 {"method": "ngram", "draft_model": "x"}, {"num_speculative_tokens": 2},
                 "{not json"):
         with pytest.raises(ValueError):
+            parse_speculative_config(bad)
+    suffix = parse_speculative_config({"method": "suffix", "suffix_decoding_min_token_prob": 0.3})
+    assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
+    assert suffix.suffix_decoding_min_token_prob == 0.3
+    for bad in ({"method": "suffix", "suffix_decoding_min_token_prob": 2},
+                {"method": "suffix", "suffix_decoding_max_spec_factor": 0},
+                {"method": "suffix", "suffix_decoding_max_cached_requests": 0}):
+        with pytest.raises(ValueError, match=next(k for k in bad if k != "method")):
             parse_speculative_config(bad)
     (tmp_path / "config.json").write_text("{}")
     config = EngineConfig(str(tmp_path), device="cuda", speculative_config={"method": "ngram"})
@@ -128,8 +138,8 @@ def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it():
     assert update.new_token_ids == [99] and r.finish_reason == "stop"
 
 
-def test_constrained_requests_get_no_proposals():
-    s = _scheduler()
+def test_constrained_requests_get_no_proposals_without_their_grammar():
+    s = _scheduler()  # no structured-output manager: nothing checks the proposals
     request = Request("c", [1, 2, 1, 2, 1], SamplingParams(max_tokens=9))
     # as if the grammar had compiled: the scheduler only reads whether one is asked for
     request.sampling_params.structured_outputs = StructuredOutputsParams(regex="[0-9]+")
@@ -139,3 +149,44 @@ def test_constrained_requests_get_no_proposals():
     assert s.speculator.propose(plain, 16) == [2, 1]
     request.append_output_token(1)
     assert s.speculator.propose(request, 16) == []
+
+
+# -- suffix decoding ------------------------------------------------------------------------
+
+def test_suffix_proposes_what_followed_the_longest_match_in_earlier_outputs():
+    proposer = SuffixProposer(max_tree_depth=8)
+    proposer.finished("a", [10, 11, 12, 13, 14, 15, 16, 17])
+    # two tokens matched (5 differs from 11): at most one proposal per matched token
+    assert proposer.propose("b", [1, 5, 12, 13], 8) == [14, 15]
+    assert proposer.propose("c", [1, 11, 12, 13], 8) == [14, 15, 16]
+    assert proposer.propose("c", [1, 11, 12, 13], 2) == [14, 15]  # k caps it
+    assert proposer.propose("d", [1, 2, 3, 4], 8) == []
+
+
+def test_suffix_follows_the_most_frequent_path_while_it_is_likely():
+    outputs = [[1, 2, 3, 4, 5], [1, 2, 3, 9, 5], [1, 2, 3, 4, 5, 6]]
+    for min_prob, want in ((0.3, [4, 5, 6]), (0.5, [4, 5]), (0.7, [])):
+        proposer = SuffixProposer(min_token_prob=min_prob)
+        for i, out in enumerate(outputs):
+            proposer.finished(str(i), out)
+        # 4 follows in two of three (2/3), then 5 in both (2/3), then 6 in one (1/3 in all)
+        assert proposer.propose("r", [0, 1, 2, 3], 8) == want, min_prob
+    # the longest match wins over more frequent shorter ones
+    proposer = SuffixProposer(min_token_prob=0.3)
+    for i, out in enumerate(outputs):
+        proposer.finished(str(i), out)
+    proposer.finished("long", [8, 7, 2, 3, 9, 9])
+    assert proposer.propose("r", [8, 7, 2, 3], 8) == [9, 9]
+
+
+def test_suffix_reads_the_requests_own_tokens_and_forgets_the_oldest_outputs():
+    proposer = SuffixProposer(max_cached_requests=2)
+    assert proposer.propose("own", [7, 8, 9, 1, 2, 7, 8], 8) == [9, 1]
+    proposer.finished("own", [7, 8, 9, 1])
+    proposer.finished("x", [20, 21, 22, 23])
+    proposer.finished("y", [30, 31, 32, 33])
+    assert proposer.num_cached == 2
+    assert proposer.propose("r", [0, 8, 9], 8) == []  # "own"'s output was dropped
+    assert proposer.propose("r", [0, 31, 32], 8) == [33]
+    assert all(out_id != 0 for entries in proposer._index.values() for out_id, _ in entries)
+    assert proposer._own.keys() == {"r"}

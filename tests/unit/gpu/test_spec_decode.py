@@ -194,3 +194,18 @@ def test_sampling_with_proposals_replays_its_seed_and_keeps_n(echo_model):
     assert [[c.token_ids for c in o.outputs] for o in first] == \
         [[c.token_ids for c in o.outputs] for o in again]
     assert all(len(c.token_ids) == 24 for o in first for c in o.outputs)
+
+
+@pytest.mark.gpu
+def test_suffix_decoding_keeps_the_tokens_and_learns_from_earlier_outputs(echo_model):
+    args = on_test_device(dtype="float32", max_num_seqs=4, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2, ignore_eos=True)
+    want = _completions(LLM(echo_model, **args).generate(_prompts(), params, use_tqdm=False))
+    spec = LLM(echo_model, speculative_config={"method": "suffix", "num_speculative_tokens": 6},
+               **args)
+    _assert_same(_completions(spec.generate(_prompts(), params, use_tqdm=False)), want)
+    first = spec.engine.stats().spec_decode_num_accepted_tokens
+    assert first > 0  # the requests' own cycles
+    # again: the earlier outputs, now cached, propose longer runs
+    _assert_same(_completions(spec.generate(_prompts(), params, use_tqdm=False)), want)
+    assert spec.engine.stats().spec_decode_num_accepted_tokens - first > first
