@@ -135,12 +135,25 @@ class _EngineStatsCollector:
         yield CounterMetricFamily("tidal:grammar_compile_timeouts",
                                   "Grammar compiles failed for passing their time limit.",
                                   value=stats.grammar_compile_timeouts)
+        yield CounterMetricFamily("tidal:spec_decode_num_drafts",
+                                  "Runs of speculative tokens verified (a request's step).",
+                                  value=stats.spec_decode_num_drafts)
         yield CounterMetricFamily("tidal:spec_decode_num_draft_tokens",
-                                  "Speculative tokens proposed (n-gram prompt lookup).",
+                                  "Speculative tokens proposed.",
                                   value=stats.spec_decode_num_draft_tokens)
         yield CounterMetricFamily("tidal:spec_decode_num_accepted_tokens",
                                   "Speculative tokens the target model accepted.",
                                   value=stats.spec_decode_num_accepted_tokens)
+        per_pos = CounterMetricFamily("tidal:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative tokens accepted at each position of a run.",
+                                      labels=["position"])
+        for pos, count in enumerate(stats.spec_decode_accepted_per_pos):
+            per_pos.add_metric([str(pos)], count)
+        yield per_pos
+        yield CounterMetricFamily("tidal:spec_decode_num_trimmed_tokens",
+                                  "Proposals dropped because the measured cost model said "
+                                  "they would not pay.",
+                                  value=stats.spec_decode_num_trimmed_tokens)
 
 
 class _EventLoopCpuCollector:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidal.core.config import EngineConfig, load_tokenizer
 from tidal.core.executor import StepResult, create_executor
@@ -56,8 +57,11 @@ class EngineStats:
     host_tier_used: int = 0
     host_tier_stored: int = 0
     host_tier_hits: int = 0
+    spec_decode_num_drafts: int = 0  # runs of speculative tokens verified
     spec_decode_num_draft_tokens: int = 0  # speculative tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which the target accepted
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()  # accepted at each position of a run
+    spec_decode_num_trimmed_tokens: int = 0  # proposals dropped: they would not pay
 
 
 class EngineCore:
@@ -203,13 +207,19 @@ class EngineCore:
         if sched.is_empty and self._in_flight is None:
             self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
         early = self._fill_grammar_bitmask(sched)
+        started = time.perf_counter()
         handle = self.executor.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.config.async_scheduling:
             previous = self._in_flight
             self._in_flight = None if sched.is_empty else handle
             return early + self._process(previous)
-        return early + self._process(handle)
+        outputs = early + self._process(handle)
+        speculator = self.scheduler.speculator
+        if speculator is not None and not sched.is_empty:
+            speculator.observe_step(sched.total_num_scheduled_tokens,
+                                    time.perf_counter() - started)
+        return outputs
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """The bitmask of the constrained rows this step samples. Their matchers must first
@@ -270,12 +280,16 @@ class EngineCore:
         return {"host_tier_blocks": host.num_blocks, "host_tier_used": host.num_used,
                 "host_tier_stored": host.stats.stored, "host_tier_hits": host.stats.hits}
 
-    def _spec_stats(self) -> dict[str, int]:
+    def _spec_stats(self) -> dict[str, Any]:
         speculator = self.scheduler.speculator
         if speculator is None:
             return {}
-        return {"spec_decode_num_draft_tokens": speculator.stats.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": speculator.stats.num_accepted_tokens}
+        stats = speculator.stats
+        return {"spec_decode_num_drafts": stats.num_drafts,
+                "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+                "spec_decode_accepted_per_pos": tuple(stats.accepted_per_pos),
+                "spec_decode_num_trimmed_tokens": stats.num_trimmed_tokens}
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between steps (``KVCacheManager.reset_prefix_cache``)."""

@@ -200,7 +200,7 @@ class Scheduler(BatchSharing, StepUpdates):
             drafts: list[int] = []
             if wanted == 1:  # a decode: one token (and any proposals), one each of the budget
                 if self.speculator is not None:
-                    drafts = self.speculator.propose(request, budget)
+                    drafts = self.speculator.propose(request, budget, len(self.running))
                 n = cost = 1 + len(drafts)
             else:
                 n, cost = self._chunk(wanted, request.num_computed_tokens, budget)

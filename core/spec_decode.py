@@ -9,11 +9,12 @@ prefix hits, never one holding a proposal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tidal.core.ngram_proposer import propose_ngram
 from tidal.core.request import Request
+from tidal.core.spec_policy import SpecPolicy
 from tidal.core.speculative_config import SpeculativeConfig
 from tidal.core.suffix_proposer import SuffixProposer
 
@@ -23,11 +24,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class SpecDecodeStats:
-    """vLLM's counters: tokens proposed (``spec_decode_num_draft_tokens``) and of those the
-    target accepted (``spec_decode_num_accepted_tokens``)."""
+    """vLLM's counters: runs of proposals verified (``spec_decode_num_drafts``), tokens proposed
+    (``spec_decode_num_draft_tokens``), of those the target accepted
+    (``spec_decode_num_accepted_tokens``) and at each position of a run
+    (``..._per_pos``); and the proposals dropped because they would not pay."""
 
+    num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_trimmed_tokens: int = 0
 
 
 class Speculator:
@@ -42,11 +48,14 @@ class Speculator:
                                       config.suffix_decoding_min_token_prob)
                        if config.method == "suffix" else None)
         self.stats = SpecDecodeStats()
+        self.policy = SpecPolicy()  # how many proposals pay, by measurement
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
 
-    def propose(self, request: Request, budget: int) -> list[int]:
+    def propose(self, request: Request, budget: int, num_rows: int = 1) -> list[int]:
         """Proposals for a decoding ``request`` (its known tokens all computed after this
-        step's one), within ``budget - 1`` more tokens. None for a request still prefilling
+        step's one), within ``budget - 1`` more tokens, as many as pay in a step of about
+        ``num_rows`` rows (``core/spec_policy.py``; a seeded request keeps them all: its
+        random draws, and so its tokens, depend on its proposals). None for a request still prefilling
         (its last prompt token included). A constrained request's proposals are cut at the
         first its grammar refuses, so each proposed position has a bitmask to verify with."""
         if not request.num_output_tokens:
@@ -62,6 +71,10 @@ class Speculator:
         else:
             drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
                                    cfg.prompt_lookup_max)
+        if request.sampling_params.seed is None:  # a seed replays only the same proposals
+            kept = self.policy.keep(request.request_id, len(drafts), num_rows)
+            self.stats.num_trimmed_tokens += len(drafts) - kept
+            drafts = drafts[:kept]
         if drafts and request.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 return []
@@ -71,6 +84,7 @@ class Speculator:
     def scheduled(self, request: Request, drafts: list[int]) -> None:
         """``drafts`` run for ``request`` in this step."""
         self._in_step[request.request_id] = len(drafts)
+        self.stats.num_drafts += 1
         self.stats.num_draft_tokens += len(drafts)
 
     def settle(self, request: Request, num_sampled: int) -> None:
@@ -79,15 +93,26 @@ class Speculator:
         k = self._in_step.pop(request.request_id, 0)
         if not k:
             return
-        self.stats.num_accepted_tokens += num_sampled - 1
+        accepted = num_sampled - 1
+        self.stats.num_accepted_tokens += accepted
+        per_pos = self.stats.accepted_per_pos
+        per_pos += [0] * (accepted - len(per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
+        self.policy.settled(request.request_id, k, accepted)
         request.num_computed_tokens -= k + 1 - num_sampled
 
     def finished(self, request: Request) -> None:
         """``request`` is done (stopped, aborted or failed): what it held goes, and suffix
         decoding keeps its output for the requests after it."""
         self._in_step.pop(request.request_id, None)
+        self.policy.finished(request.request_id)
         if self.suffix is not None:
             self.suffix.finished(request.request_id, request.output_token_ids)
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step of ``num_rows`` rows took ``seconds``: the cost model's data."""
+        self.policy.cost.observe(num_rows, seconds)
 
     def new_step(self) -> None:
         """A step is being scheduled: the last one's requests are settled (or finished)."""

@@ -13,6 +13,7 @@ from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams
 from tidal.core.scheduler import Scheduler, SchedulerConfig
 from tidal.core.scheduler_output import ModelRunnerOutput
+from tidal.core.spec_policy import SpecPolicy, StepCost
 from tidal.core.speculative_config import SpeculativeConfig, parse_speculative_config
 from tidal.core.structured_output import StructuredOutputsParams
 from tidal.core.suffix_proposer import SuffixProposer
@@ -190,3 +191,55 @@ def test_suffix_reads_the_requests_own_tokens_and_forgets_the_oldest_outputs():
     assert proposer.propose("r", [0, 31, 32], 8) == [33]
     assert all(out_id != 0 for entries in proposer._index.values() for out_id, _ in entries)
     assert proposer._own.keys() == {"r"}
+
+
+# -- when speculation pays ------------------------------------------------------------------
+
+def test_step_cost_fits_rows_once_the_steps_vary():
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(4, 0.01)
+    assert cost.fit() is None  # one size of step: no slope to tell
+    for rows in [1, 8, 32, 64, 2, 16] * 20:
+        cost.observe(rows, 0.002 + 0.0005 * rows)
+    a, b = cost.fit()
+    assert abs(b - 0.0005) < 1e-4 and abs(a - 0.002) < 2e-3
+
+
+def _policy(a: float, b: float, accepted: int, of: int) -> SpecPolicy:
+    policy = SpecPolicy()
+    for rows in [1, 4, 16, 64] * 10:
+        policy.cost.observe(rows, a + b * rows)
+    for _ in range(30):  # ``accepted`` of each ``of`` tried accepted
+        policy.settled("r", of, accepted)
+    return policy
+
+
+def test_proposals_pay_on_a_small_batch_and_are_trimmed_as_it_fills():
+    half = _policy(0.010, 0.0001, 1, 2)  # weights-bound steps; half the proposals accepted
+    assert abs(half.alpha("r") - 0.5) < 0.05
+    assert half.keep("r", 4, 1) == 4  # a row costs 1 % of a step: all pay
+    assert half.keep("r", 4, 64) == 1  # a row is 39 % of a row's share: only the likeliest
+    compute = _policy(0.001, 0.001, 1, 2)  # compute-bound steps
+    assert compute.keep("r", 4, 32) == 0
+    sure = _policy(0.001, 0.001, 4, 4)  # every proposal accepted
+    assert sure.keep("r", 4, 32) == 4
+    assert half.keep("new", 4, 64) == 1  # a new request starts from the overall rate
+    assert SpecPolicy().keep("r", 4, 64) == 4  # nothing measured yet: every proposal runs
+
+
+def test_the_scheduler_drops_proposals_that_would_not_pay_and_seeds_keep_theirs():
+    s = _scheduler()
+    for rows in [1, 4, 16, 64] * 10:  # compute-bound steps: every row costs a millisecond
+        s.speculator.observe_step(rows, 0.001 + 0.001 * rows)
+    for _ in range(30):  # and proposals mostly rejected
+        s.speculator.policy.settled("earlier", 4, 0)
+    for req_id, seed in (("a", None), ("b", 5)):
+        s.add_request(Request(req_id, [1, 2, 3, 1, 2, 3, 1], SamplingParams(
+            max_tokens=20, seed=seed), eos_token_id=99))
+    s.schedule()  # both prompts (b's first block a prefix hit)
+    s.update_from_output(ModelRunnerOutput(["a", "b"], [[2], [2]]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"b": [3, 1, 2]}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert s.speculator.stats.num_trimmed_tokens == 3

@@ -130,6 +130,13 @@ def echo_model(tmp_path_factory) -> str:
     return str(path)
 
 
+def speculating(llm: LLM) -> LLM:
+    """``llm`` with every proposal run: the measured policy (``core/spec_policy.py``) would
+    trim some by this host's step times, and these tests count the proposals."""
+    llm.engine.scheduler.speculator.policy.keep = lambda _req_id, n, _rows: n
+    return llm
+
+
 def _prompts() -> list[list[int]]:
     shared = [40 + i % 7 for i in range(36)]  # a prefix the second run finds cached
     return [shared + [5, 6, 7, 5, 6, 7, 5], shared + list(range(60, 75)),
@@ -153,7 +160,7 @@ def _assert_same(got, want) -> None:
 def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model):
     args = on_test_device(dtype="float32", max_num_seqs=4, max_num_batched_tokens=24)
     plain = LLM(echo_model, **args)
-    spec = LLM(echo_model, speculative_config=SPEC, **args)
+    spec = speculating(LLM(echo_model, speculative_config=SPEC, **args))
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=2, ignore_eos=True)
               for m in (37, 30, 41, 26)]
     # penalties count the proposals before a row as output tokens
@@ -167,6 +174,12 @@ def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model)
     metrics = ServerMetrics(lambda: stats).render().decode()
     assert (f"tidal:spec_decode_num_accepted_tokens_total "
             f"{float(stats.spec_decode_num_accepted_tokens)}") in metrics
+    # per position: the first position of a run accepted most, and they add up
+    per_pos = stats.spec_decode_accepted_per_pos
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert list(per_pos) == sorted(per_pos, reverse=True) and 0 < stats.spec_decode_num_drafts
+    assert (f'tidal:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} '
+            f"{float(per_pos[0])}") in metrics
     # preempted for KV blocks (12 of 16 tokens; 512 bytes a token) and recomputed
     squeezed = LLM(echo_model, speculative_config=SPEC, **{**args, "kv_cache_memory":
                                                             12 * 16 * 512})
@@ -201,8 +214,8 @@ def test_suffix_decoding_keeps_the_tokens_and_learns_from_earlier_outputs(echo_m
     args = on_test_device(dtype="float32", max_num_seqs=4, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2, ignore_eos=True)
     want = _completions(LLM(echo_model, **args).generate(_prompts(), params, use_tqdm=False))
-    spec = LLM(echo_model, speculative_config={"method": "suffix", "num_speculative_tokens": 6},
-               **args)
+    spec = speculating(LLM(echo_model, speculative_config={"method": "suffix",
+                                                           "num_speculative_tokens": 6}, **args))
     _assert_same(_completions(spec.generate(_prompts(), params, use_tqdm=False)), want)
     first = spec.engine.stats().spec_decode_num_accepted_tokens
     assert first > 0  # the requests' own cycles

@@ -15,7 +15,12 @@ import pytest
 
 from tests.device import on_test_device
 from tests.unit.core.test_structured_outputs import SCHEMA, TOOLS
-from tests.unit.gpu.test_spec_decode import SPEC, _prompts, echo_model  # noqa: F401 - fixture
+from tests.unit.gpu.test_spec_decode import (  # noqa: F401 - a fixture
+    SPEC,
+    _prompts,
+    echo_model,
+    speculating,
+)
 from tidal.core import LLM, SamplingParams
 from tidal.core.request import Request
 from tidal.core.structured_output import StructuredOutputsParams
@@ -91,7 +96,7 @@ def test_greedy_constrained_with_proposals_keeps_its_tokens(echo_model):  # noqa
     for out in got[3:]:
         assert out.outputs[0].finish_reason == "stop"
         assert re.fullmatch(WORDS, out.outputs[0].text), out.outputs[0].text
-    alone = LLM(echo_model, speculative_config=SPEC, **args)
+    alone = speculating(LLM(echo_model, speculative_config=SPEC, **args))
     alone.generate(prompts, words, use_tqdm=False)  # constrained rows only: they speculate
     assert alone.engine.stats().spec_decode_num_accepted_tokens >= 10
 
@@ -100,7 +105,8 @@ def test_greedy_constrained_with_proposals_keeps_its_tokens(echo_model):  # noqa
 def test_sampled_constrained_outputs_with_proposals_all_validate(echo_model):  # noqa: F811
     from tidal.app.tool_parsers import get_parser
 
-    spec = LLM(echo_model, speculative_config=SPEC, **on_test_device(dtype="float32"))
+    spec = speculating(LLM(echo_model, speculative_config=SPEC,
+                           **on_test_device(dtype="float32")))
 
     def samples(constraint: StructuredOutputsParams) -> list:
         params = SamplingParams(n=50, temperature=1.0, seed=11, max_tokens=240,
