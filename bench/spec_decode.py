@@ -1,0 +1,135 @@
+"""Speculative decoding's speed: output tok/s with n-gram and suffix proposals against none, on
+the same model, prompts and greedy settings, at c1 (one request at a time) and c32 (32 at
+once), each configuration in a fresh process. Prints and writes
+``bench/results/spec_decode.json``.
+
+Two workloads:
+- ``repeating``: the benchmark Llama (~30M parameters, float32) with its attention and MLP
+  outputs scaled down, so its next token depends mostly on the current one and its greedy
+  output falls into cycles (as ``tests/unit/gpu/test_spec_decode.py``'s model does): text that
+  repeats itself, which is what proposals from earlier text predict. A random model cannot
+  copy its prompt the way a trained one edits code; this stands in for that.
+- ``embedded``: the embedded default model on Tiny Shakespeare passages, each given twice, the
+  second copy cut short: the model's own continuation decides how much is accepted.
+
+    python -m bench.spec_decode [--output-len 128] [--workloads repeating embedded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.common import bench_model_dir, random_prompts, write_result
+
+METHODS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+}
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
+
+
+def repeating_model(root: Path) -> Path:
+    """The benchmark Llama with its o_proj and down_proj scaled by 0.01."""
+    from safetensors.torch import load_file, save_file
+
+    path = root / "repeating"
+    if (path / "config.json").is_file():
+        return path
+    bench_model_dir(path)
+    weights = load_file(path / "model.safetensors")
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = weights[name] * 0.01
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def prompts_for(workload: str, model: str, num: int) -> list[Any]:
+    if workload == "repeating":
+        return random_prompts(num, 64, 128, 8192, seed=3)
+    text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = []
+    for i in range(num):
+        passage = text[4000 * i + 1000:4000 * i + 1600] or f"To be, or not to be {i}. " * 20
+        ids = tokenizer.encode(passage, add_special_tokens=False)[:96]
+        out.append(ids + ids[:24])  # the passage, then its start again
+    return out
+
+
+def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
+            output_len: int) -> dict[str, Any]:
+    """In a fresh process: a warm-up, then the prompts ``concurrency`` at a time."""
+    from tidal.core import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", max_num_seqs=max(concurrency, 1),
+              speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:concurrency], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), concurrency):
+        outs = llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds = time.perf_counter() - start
+    stats = llm.engine.stats()
+    drafted = stats.spec_decode_num_draft_tokens
+    return {"output_tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
+            "draft_tokens": drafted, "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+            "trimmed_tokens": stats.spec_decode_num_trimmed_tokens,
+            "acceptance": stats.spec_decode_num_accepted_tokens / drafted if drafted else None}
+
+
+def measure(model: str, prompts: list[Any], concurrency: int, output_len: int
+            ) -> dict[str, dict[str, Any]]:
+    rows = {}
+    ctx = multiprocessing.get_context("spawn")
+    for name, spec in METHODS.items():
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            rows[name] = pool.submit(run_one, model, spec, prompts, concurrency,
+                                     output_len).result()
+        base = rows["none"]["output_tok_s"]
+        rows[name]["vs_none"] = rows[name]["output_tok_s"] / base
+        print(f"  c{concurrency} {name:7s} {rows[name]['output_tok_s']:8.1f} tok/s "
+              f"{rows[name]['vs_none']:.2f}x acceptance {rows[name]['acceptance']}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", nargs="+", default=["repeating", "embedded"],
+                    choices=["repeating", "embedded"])
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--c1-requests", type=int, default=4)
+    ap.add_argument("--c32-requests", type=int, default=64)
+    ap.add_argument("--name", default="spec_decode")
+    args = ap.parse_args(argv)
+    from tidal.core.config import DEFAULT_MODEL
+
+    result: dict[str, Any] = {"output_len": args.output_len, "methods": METHODS,
+                              "load_before": list(os.getloadavg())}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in args.workloads:
+            model = (str(repeating_model(Path(tmp))) if workload == "repeating"
+                     else str(DEFAULT_MODEL))
+            print(workload, flush=True)
+            result[workload] = {
+                f"c{c}": measure(model, prompts_for(workload, model, n), c, args.output_len)
+                for c, n in ((1, args.c1_requests), (32, args.c32_requests))}
+    result["load_after"] = list(os.getloadavg())
+    print(write_result(args.name, result))
+
+
+if __name__ == "__main__":
+    main()
