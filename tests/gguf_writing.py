@@ -7,6 +7,8 @@ key rows of Llama models permuted as the converter permutes them."""
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import gguf
@@ -27,11 +29,21 @@ GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
+# a mixture of experts' router and each expert's projections (Qwen3-MoE's names, Mixtral's)
+ROUTERS = ("mlp.gate", "block_sparse_moe.gate")
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
 def gguf_name(hf: str) -> str:
     if hf in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
+    if module in ROUTERS:
+        return f"blk.{layer}.ffn_gate_inp.{kind}"
     return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
 
 
@@ -125,7 +137,14 @@ def add_config(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
+    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def write_gguf(model_dir: Path, out: Path, arch: str,
@@ -138,7 +157,12 @@ def write_gguf(model_dir: Path, out: Path, arch: str,
     add_config(writer, config)
     add_tokenizer(writer, model_dir)
     twin: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = defaultdict(dict)
     for hf, w in load_file(model_dir / "model.safetensors").items():
+        if match := EXPERT.fullmatch(hf):
+            layer, expert, part = match.groups()
+            stacks[f"blk.{layer}.{EXPERT_STACKS[part]}.weight"][int(expert)] = (hf, w)
+            continue
         name = gguf_name(hf)
         qtype = types.get(name, T.F32)
         packed = quantize(w, qtype) if w.ndim == 2 else w.astype(np.float32)
@@ -148,8 +172,25 @@ def write_gguf(model_dir: Path, out: Path, arch: str,
         if arch == "llama" and heads is not None:
             packed = llama_cpp_permute(packed, heads)
         writer.add_tensor(name, packed, raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+    for name, experts in stacks.items():
+        _add_experts(writer, name, [experts[e] for e in sorted(experts)],
+                     types.get(name, T.F32), twin)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return twin
+
+
+def _add_experts(writer: gguf.GGUFWriter, name: str, experts: list[tuple[str, np.ndarray]],
+                 qtype: T, twin: dict[str, np.ndarray]) -> None:
+    """One projection of a layer's experts stacked ``[E, out, in]``, as llama.cpp's converter
+    writes them; each expert's dequantized matrix into ``twin``."""
+    stacked = np.stack([w for _, w in experts]).astype(np.float32)
+    num, rows, cols = stacked.shape
+    packed = quantize(stacked.reshape(num * rows, cols), qtype)
+    back = gguf.quants.dequantize(packed, qtype).reshape(stacked.shape)
+    for (hf, _), value in zip(experts, back):
+        twin[hf] = value
+    writer.add_tensor(name, packed.reshape(num, rows, -1),
+                      raw_dtype=None if qtype in (T.F32, T.F16) else qtype)

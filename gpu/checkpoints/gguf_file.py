@@ -9,6 +9,14 @@ models (Llama, Mistral) so that rotary pairs sit next to each other (its "normal
 model, like Hugging Face's, rotates the two halves of each head ("neox"). The reader undoes that
 permutation on the rows' raw bytes, before unpacking, which is valid for quantized rows since
 every block lies within one row. Qwen2 and Qwen3 files are written unpermuted.
+
+Mixture-of-experts files (``qwen3moe``; Mixtral's, which say ``llama`` with an expert count)
+stack each layer's experts in one tensor per projection, ``blk.N.ffn_gate_exps`` ``[E, I, H]``
+(and ``ffn_up_exps``, ``ffn_down_exps``), beside the router ``blk.N.ffn_gate_inp``. They are
+read as the per-expert weights a Hugging Face checkpoint names
+(``model.layers.N.mlp.experts.{e}.gate_proj.weight``), which the MoE loader stacks again
+(``gpu/moe_weights.py``); a layer without them is a dense one (Qwen3-MoE's
+``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),  # Mistral's GGUFs say llama too
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
+MIXTRAL = "MixtralForCausalLM"  # a ``llama`` file with experts
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -43,8 +53,11 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
 }
+# a layer's stacked experts -> each expert's projection
+EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                "ffn_down_exps": "down_proj"}
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 NOT_WEIGHTS = ("rope_freqs.weight",)  # read into the config (``hf_config``)
@@ -94,6 +107,10 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
              "attn_k": meta.int("attention.head_count_kv", meta.int("attention.head_count"))}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
+        if name is None and _LAYER_TENSOR.fullmatch(tensor.name) and \
+                tensor.name.split(".")[2] in EXPERT_PARTS:
+            yield from _experts(tensor)
+            continue
         if name is None:
             if tensor.name not in NOT_WEIGHTS:
                 logger.debug("skipping GGUF tensor %s", tensor.name)
@@ -103,6 +120,17 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
         if permuted and part in heads:
             data = data[unpermute_rows(data.shape[0], heads[part])]
         yield name, to_weight(tensor.name, tensor.tensor_type, data)
+
+
+def _experts(tensor: Any) -> Iterator[tuple[str, Any]]:
+    """A stacked expert tensor ``[E, out, in]`` as each expert's weight, by HF name."""
+    _, layer, part, _ = tensor.name.split(".")
+    data = tensor.data
+    experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else data.shape[0]
+    data = data.reshape(experts, -1, data.shape[-1])
+    for e in range(experts):
+        name = f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_PARTS[part]}.weight"
+        yield name, to_weight(tensor.name, tensor.tensor_type, data[e])
 
 
 def all_linears_quantized(path: str | Path) -> bool:
@@ -181,10 +209,12 @@ def _hf_config(path: str | Path) -> dict[str, Any]:
     vocab = (int(embed.shape[-1]) if embed is not None
              else len(meta.get("tokenizer.ggml.tokens", [], prefixed=False)))
     return {
-        "architectures": [ARCHITECTURES[meta.arch][0]],
+        "architectures": [MIXTRAL if meta.arch == "llama" and meta.get("expert_count")
+                          else ARCHITECTURES[meta.arch][0]],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": meta.int("feed_forward_length"),
+        "intermediate_size": meta.int("feed_forward_length",
+                                      meta.get("expert_feed_forward_length")),
         "num_hidden_layers": meta.int("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.int("attention.head_count_kv", heads),
@@ -197,7 +227,25 @@ def _hf_config(path: str | Path) -> dict[str, Any]:
         "eos_token_id": [int(v) for key in ("eos_token_id", "eot_token_id")
                          if (v := meta.get(f"tokenizer.ggml.{key}", prefixed=False))
                          is not None],
+        **_moe_config(meta),
     }
+
+
+def _moe_config(meta: Metadata) -> dict[str, Any]:
+    """The experts' settings as Qwen3-MoE's or Mixtral's ``config.json`` names them; the
+    layers without stacked experts are Qwen3-MoE's dense ``mlp_only_layers``."""
+    if not meta.get("expert_count"):
+        return {}
+    moe: dict[str, Any] = {"num_local_experts": meta.int("expert_count"),
+                           "num_experts_per_tok": meta.int("expert_used_count")}
+    if meta.arch == "qwen3moe":
+        sparse = {int(t.name.split(".")[1]) for t in meta.reader.tensors
+                  if t.name.endswith(".ffn_gate_exps.weight")}
+        moe.update(moe_intermediate_size=meta.int("expert_feed_forward_length"),
+                   norm_topk_prob=True,  # as llama.cpp's qwen3moe graph always does
+                   mlp_only_layers=[i for i in range(meta.int("block_count"))
+                                    if i not in sparse])
+    return moe
 
 
 def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
