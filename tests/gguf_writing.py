@@ -37,14 +37,22 @@ EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj":
                  "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
-def gguf_name(hf: str) -> str:
+# Gemma's norms around each block (llama.cpp's names), and its archs
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMAS = ("gemma2", "gemma3")
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     if module in ROUTERS:
         return f"blk.{layer}.ffn_gate_inp.{kind}"
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMAS else LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -138,7 +146,14 @@ def add_config(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
+    rope = rope.get("full_attention", rope)  # Gemma 3's: by layer type, the global layers'
     writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    if config["architectures"][0].startswith("Gemma"):  # as llama.cpp's Gemma converters
+        writer.add_value_length(config["head_dim"])
+        writer.add_sliding_window(config["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key):
+                getattr(writer, f"add_{key}")(config[key])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
@@ -163,10 +178,12 @@ def write_gguf(model_dir: Path, out: Path, arch: str,
             layer, expert, part = match.groups()
             stacks[f"blk.{layer}.{EXPERT_STACKS[part]}.weight"][int(expert)] = (hf, w)
             continue
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         qtype = types.get(name, T.F32)
         packed = quantize(w, qtype) if w.ndim == 2 else w.astype(np.float32)
         twin[hf] = gguf.quants.dequantize(packed, qtype).reshape(w.shape)
+        if arch in GEMMAS and name.endswith("norm.weight"):
+            packed = packed + 1  # llama.cpp stores Gemma's norms as the 1 + w they scale by
         heads = {"attn_q": config["num_attention_heads"],
                  "attn_k": config["num_key_value_heads"]}.get(name.split(".")[-2])
         if arch == "llama" and heads is not None:

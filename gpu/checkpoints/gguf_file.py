@@ -41,7 +41,20 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "gemma2": ("Gemma2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
+GEMMAS = ("gemma2", "gemma3")
+# Gemma's norms around each block, where GGUF's names differ from a Llama's
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's fixed choices for Gemma that its files do not record: every n-th layer global,
+# the local layers' rotary base, and the sizes (by layer count) whose attention scale is
+# hidden / heads rather than the head size (Gemma 2 27B, Gemma 3 27B)
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_LOCAL_THETA = 10_000.0
+_GEMMA_HIDDEN_SCALED = {"gemma2": 46, "gemma3": 62}
 MIXTRAL = "MixtralForCausalLM"  # a ``llama`` file with experts
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -78,16 +91,17 @@ def open_reader(path: str) -> GGUFReader:
                          f"{type(exc).__name__}: {exc}") from None
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a
     tensor no model weight comes from."""
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
     match = _LAYER_TENSOR.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if arch in GEMMAS else _LAYER_NAMES
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
 
 
@@ -106,7 +120,7 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
     heads = {"attn_q": meta.int("attention.head_count"),
              "attn_k": meta.int("attention.head_count_kv", meta.int("attention.head_count"))}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, meta.arch)
         if name is None and _LAYER_TENSOR.fullmatch(tensor.name) and \
                 tensor.name.split(".")[2] in EXPERT_PARTS:
             yield from _experts(tensor)
@@ -119,7 +133,10 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if permuted and part in heads:
             data = data[unpermute_rows(data.shape[0], heads[part])]
-        yield name, to_weight(tensor.name, tensor.tensor_type, data)
+        weight = to_weight(tensor.name, tensor.tensor_type, data)
+        if meta.arch in GEMMAS and tensor.name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's norms as the 1 + w they scale by
+        yield name, weight
 
 
 def _experts(tensor: Any) -> Iterator[tuple[str, Any]]:
@@ -228,7 +245,24 @@ def _hf_config(path: str | Path) -> dict[str, Any]:
                          if (v := meta.get(f"tokenizer.ggml.{key}", prefixed=False))
                          is not None],
         **_moe_config(meta),
+        **_gemma_config(meta, hidden, heads),
     }
+
+
+def _gemma_config(meta: Metadata, hidden: int, heads: int) -> dict[str, Any]:
+    """Gemma's settings as its ``config.json`` names them: the soft-caps and the window from
+    the metadata, the rest as llama.cpp fixes them (``_GEMMA_*``)."""
+    if meta.arch not in GEMMAS:
+        return {}
+    layers = meta.int("block_count")
+    head_dim = meta.int("attention.key_length", hidden // heads)
+    scalar = hidden // heads if layers == _GEMMA_HIDDEN_SCALED[meta.arch] else head_dim
+    caps = {key: meta.float(key, 0.0) or None
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"sliding_window": meta.int("attention.sliding_window", 0) or None,
+            "sliding_window_pattern": _GEMMA_PATTERN[meta.arch],
+            "query_pre_attn_scalar": scalar, "rope_local_base_freq": _GEMMA_LOCAL_THETA,
+            "hidden_activation": "gelu_pytorch_tanh", **caps}
 
 
 def _moe_config(meta: Metadata) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""Mixture-of-experts and Gemma GGUF files (``qwen3moe``, and Mixtral's ``llama`` with experts), written
+here as llama.cpp's converter writes them (each layer's experts stacked per projection, the
+router as ``ffn_gate_inp``), quantized experts included, and Gemma 2 / 3 files (norms
+stored as ``1 + w``, soft-caps, sliding windows): their settings come back from the metadata, and they serve HF transformers' greedy tokens and logprobs on the same weights
+dequantized."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from tests.device import on_test_device
+from tests.gguf_writing import write_gguf
+from tests.unit.gpu.test_gguf import _check_against_twin
+from tidal.core import LLM
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.random_model import build_model_dir
+
+# experts in Q4_0 and Q8_0 (their rows are multiples of 32), attention in Q8_0
+ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def _types(layers: int) -> dict[str, T]:
+    types: dict[str, T] = {}
+    for layer in range(layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            types[f"blk.{layer}.{part}.weight"] = T.Q8_0
+        types[f"blk.{layer}.ffn_gate_exps.weight"] = T.Q4_0
+        types[f"blk.{layer}.ffn_up_exps.weight"] = T.Q8_0
+        types[f"blk.{layer}.ffn_down_exps.weight"] = T.Q4_0
+    return types
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def moe_gguf(request, tmp_path_factory):
+    """The HF directory, its GGUF, and the HF model on the GGUF's weights dequantized."""
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    model_dir = build_model_dir(root / "hf", request.param)
+    config = json.loads((model_dir / "config.json").read_text())
+    path = root / "model.gguf"
+    twin_weights = write_gguf(model_dir, path, ARCHS[request.param],
+                              _types(config["num_hidden_layers"]))
+    return model_dir, path, _twin(root, model_dir, twin_weights)
+
+
+def test_the_experts_settings_come_from_the_metadata(moe_gguf):
+    model_dir, path, _ = moe_gguf
+    got, want = ModelConfig.load(path), ModelConfig.from_dir(model_dir)
+    assert (got.architecture, got.rope_theta) == (want.architecture, want.rope_theta)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob", "mlp_only_layers", "intermediate_size"):
+        assert getattr(got, key) == getattr(want, key), key
+
+
+@pytest.mark.gpu
+def test_moe_gguf_matches_hf_on_the_dequantized_weights(moe_gguf):
+    _, path, twin = moe_gguf
+    _check_against_twin(LLM(str(path), dtype="float32", **on_test_device()), twin)
+
+
+# -- Gemma 2 and Gemma 3: norms stored as 1 + w, soft-caps, windows -----------------------------
+
+GEMMA = {  # as llama.cpp can record them: the head size as the attention scale, Gemma 3's
+    # local rotary base 10,000 and every sixth layer global; windows shorter than the prompts
+    "gemma2": dict(query_pre_attn_scalar=32, num_hidden_layers=3),
+    "gemma3": dict(query_pre_attn_scalar=32, num_hidden_layers=6, sliding_window_pattern=6,
+                   rope_local_base_freq=10_000.0, final_logit_softcapping=4.0),
+}
+
+
+@pytest.fixture(scope="module", params=list(GEMMA))
+def gemma_gguf(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    model_dir = build_model_dir(root / "hf", request.param, tie_word_embeddings=True,
+                                **GEMMA[request.param])
+    config = json.loads((model_dir / "config.json").read_text())
+    types = {f"blk.{i}.{part}.weight": T.Q8_0 for i in range(config["num_hidden_layers"])
+             for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                          "ffn_down")}
+    path = root / "model.gguf"
+    twin_weights = write_gguf(model_dir, path, request.param, types)
+    return model_dir, path, _twin(root, model_dir, twin_weights)
+
+
+def _twin(root, model_dir, weights) -> AutoModelForCausalLM:
+    twin_dir = root / "twin"
+    shutil.copytree(model_dir, twin_dir)
+    save_file({k: torch.from_numpy(v.copy()) for k, v in weights.items()},
+              twin_dir / "model.safetensors", metadata={"format": "pt"})
+    twin = AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.float32)
+    twin.generation_config.eos_token_id = None
+    return twin
+
+
+def test_gemma_settings_come_from_the_metadata(gemma_gguf):
+    model_dir, path, _ = gemma_gguf
+    got, want = ModelConfig.load(path), ModelConfig.from_dir(model_dir)
+    assert (got.architecture, got.rope_theta, got.head_dim) == \
+        (want.architecture, want.rope_theta, want.head_dim)
+    # the directory's names the default rope type, the file leaves it out
+    assert dataclasses.replace(got.gemma, local_rope_scaling={}) == \
+        dataclasses.replace(want.gemma, local_rope_scaling={})
+
+
+@pytest.mark.gpu
+def test_gemma_gguf_matches_hf_on_the_dequantized_weights(gemma_gguf):
+    _, path, twin = gemma_gguf
+    _check_against_twin(LLM(str(path), dtype="float32", **on_test_device()), twin)
