@@ -1,8 +1,9 @@
-"""Mixture-of-experts and Gemma GGUF files (``qwen3moe``, and Mixtral's ``llama`` with experts), written
-here as llama.cpp's converter writes them (each layer's experts stacked per projection, the
-router as ``ffn_gate_inp``), quantized experts included, and Gemma 2 / 3 files (norms
-stored as ``1 + w``, soft-caps, sliding windows): their settings come back from the metadata, and they serve HF transformers' greedy tokens and logprobs on the same weights
-dequantized."""
+"""GGUF files of the newer architectures, written here as llama.cpp's converter writes them:
+mixture-of-experts files (``qwen3moe``, and Mixtral's ``llama`` with experts: each layer's
+experts stacked per projection, the router as ``ffn_gate_inp``, quantized experts included),
+and Gemma 2 / 3 files (norms stored as ``1 + w``, soft-caps, sliding windows). Their settings
+come back from the metadata, and they serve HF transformers' greedy tokens and logprobs on the
+same weights dequantized."""
 
 from __future__ import annotations
 
