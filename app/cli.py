@@ -203,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "processes sharing the cores), all-reducing between them")
     dist.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
                       help="mp: the model in worker processes, one per rank (also for one "
-                      "rank); uni: in the server's process (default: mp for several ranks)")
+                      "rank); uni: in the server's process; ray: in Ray actors, one per rank, "
+                      "on the Ray cluster found ($RAY_ADDRESS, a 'ray start --head' here) or "
+                      "a local one (pip install 'tidal[ray]'; docs/distributed.md) "
+                      "(default: mp for several ranks)")
     dist.add_argument("--nnodes", type=_positive_int, default=defaults.nnodes,
                       help="machines the tensor-parallel ranks span")
     dist.add_argument("--node-rank", type=int, default=defaults.node_rank,

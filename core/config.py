@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ DEFAULT_CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 # The model that ships inside the package (a small Llama trained on Tiny Shakespeare by
 # gpu/training/train_default.py): served when no model is named.
 DEFAULT_MODEL: str = str(Path(__file__).resolve().parent / "default_model")
-EXECUTOR_BACKENDS = ("mp", "uni")  # distributed_executor_backend's values
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")  # distributed_executor_backend's values
 QUANTIZATIONS = ("int8", "int4")  # quantization's values (None: the checkpoint's weights)
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "int8")  # kv_cache_dtype's values
@@ -74,7 +75,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     # "mp": the model in worker processes, one per rank (a world of one too); "uni": in this
-    # process; None: "mp" where tensor_parallel_size > 1, else "uni"
+    # process; "ray": in Ray actors, one per rank (gpu/ray_executor.py); None: "mp" where
+    # tensor_parallel_size > 1, else "uni"
     distributed_executor_backend: str | None = None
     offline: bool = False  # driven by ``LLM``: nothing streams, so a CPU takes a larger budget
     # Grammar compiles (docs/robustness.md): threads compiling at once, seconds one may run
@@ -149,8 +151,10 @@ class EngineConfig:
     def _check_distributed(self) -> None:
         backend = self.distributed_executor_backend
         if backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"distributed_executor_backend must be 'mp' or 'uni', "
-                             f"got {backend!r}")
+            raise ValueError("distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")
+        if backend == "ray":
+            self._check_ray()
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs one rank; "
                              f"tensor_parallel_size is {self.tensor_parallel_size}")
@@ -166,6 +170,14 @@ class EngineConfig:
         if method is not None and not method.startswith(("tcp://", "env://", "file://")):
             raise ValueError("distributed_init_method must be a tcp://HOST:PORT, env:// or "
                              f"file:// URL, got {method!r}")
+
+    def _check_ray(self) -> None:
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray, an optional "
+                             "dependency: pip install 'tidal[ray]'")
+        if self.nnodes > 1:
+            raise ValueError("with distributed_executor_backend 'ray', Ray places the ranks on "
+                             "its nodes: drop nnodes (and node_rank)")
 
     def _default_budget(self) -> int:
         if self.device != "cpu":

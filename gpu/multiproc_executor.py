@@ -42,7 +42,7 @@ class MultiprocExecutor(Executor):
         self._answers: dict[int, Any] = {}
         self._failed: BaseException | None = None
         self._stopping = False
-        self.workers, self._conn = start_workers(config, with_pipe=True)
+        self.workers, self._conn = self._start_workers(config)
         try:
             info = self._answer(self._send("describe"))
         except BaseException:
@@ -53,6 +53,11 @@ class MultiprocExecutor(Executor):
         threading.Thread(target=self._watch, name="tidal-worker-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks in worker processes %s",
                     config.tensor_parallel_size, [p.pid for p in self.workers])
+
+    def _start_workers(self, config: EngineConfig) -> tuple[list[Any], Any]:
+        """The ranks, and the connection to rank 0 (``gpu/ray_executor.py`` places them
+        with Ray instead)."""
+        return start_workers(config, with_pipe=True)
 
     # -- calls --------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
