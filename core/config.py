@@ -202,7 +202,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
     if is_gguf_file(config.model):
         path = Path(config.model).resolve()
         try:
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _gguf_tokenizer(path)
         except Exception as exc:  # noqa: BLE001 - the parser's KeyError/IndexError on bad bytes
             detail = (f"its metadata lacks tokenizer.ggml.{exc.args[0]}"
                       if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: "
@@ -211,3 +211,15 @@ def load_tokenizer(config: EngineConfig) -> Any:
                              f"(damaged or truncated, or without tokenizer.ggml.* metadata: "
                              f"{detail}); --tokenizer DIR names one to use instead") from None
     return AutoTokenizer.from_pretrained(config.model)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer of a GGUF file. ``AutoTokenizer`` reads the whole model config
+    first, which fails on some architectures' metadata (gpt-oss's YaRN keys in transformers
+    5); the generic fast tokenizer reads the tokenizer's metadata alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (TypeError, ValueError):
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -42,6 +42,11 @@ GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 GEMMAS = ("gemma2", "gemma3")
+# gpt-oss's parts (llama.cpp's names) and its experts in a checkpoint
+GPT_OSS_NAMES = {"self_attn.sinks": "attn_sinks", "post_attention_layernorm":
+                 "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+                             r"(_bias)?")
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -51,6 +56,10 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
     module, kind = rest.rsplit(".", 1)
     if module in ROUTERS:
         return f"blk.{layer}.ffn_gate_inp.{kind}"
+    if arch == "gpt-oss" and rest in GPT_OSS_NAMES:  # the sinks: no module, no kind
+        return f"blk.{layer}.{GPT_OSS_NAMES[rest]}.weight"
+    if arch == "gpt-oss" and module in GPT_OSS_NAMES:
+        return f"blk.{layer}.{GPT_OSS_NAMES[module]}.{kind}"
     names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMAS else LAYER_NAMES
     return f"blk.{layer}.{names[module]}.{kind}"
 
@@ -148,7 +157,14 @@ def add_config(writer: gguf.GGUFWriter, config: dict) -> None:
     rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
     rope = rope.get("full_attention", rope)  # Gemma 3's: by layer type, the global layers'
     writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
-    if config["architectures"][0].startswith("Gemma"):  # as llama.cpp's Gemma converters
+    arch = (config.get("architectures") or [""])[0]
+    if arch == "GptOssForCausalLM":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch.startswith("Gemma"):  # as llama.cpp's Gemma converters
         writer.add_value_length(config["head_dim"])
         writer.add_sliding_window(config["sliding_window"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -177,6 +193,9 @@ def write_gguf(model_dir: Path, out: Path, arch: str,
         if match := EXPERT.fullmatch(hf):
             layer, expert, part = match.groups()
             stacks[f"blk.{layer}.{EXPERT_STACKS[part]}.weight"][int(expert)] = (hf, w)
+            continue
+        if match := GPT_OSS_EXPERTS.fullmatch(hf):
+            _add_gpt_oss_experts(writer, match.group(1), hf, w, types, twin)
             continue
         name = gguf_name(hf, arch)
         qtype = types.get(name, T.F32)
@@ -211,3 +230,38 @@ def _add_experts(writer: gguf.GGUFWriter, name: str, experts: list[tuple[str, np
         twin[hf] = value
     writer.add_tensor(name, packed.reshape(num, rows, -1),
                       raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+
+
+def _add_gpt_oss_experts(writer: gguf.GGUFWriter, layer: str, hf: str, w: np.ndarray,
+                         types: dict[str, T], twin: dict[str, np.ndarray]) -> None:
+    """A gpt-oss checkpoint's experts as llama.cpp's converter writes them: ``gate_up_proj``
+    ``[E, H, 2I]`` (gate and up columns interleaved) split into ``ffn_gate_exps`` and
+    ``ffn_up_exps`` ``[E, I, H]``, ``down_proj`` ``[E, I, H]`` transposed into
+    ``ffn_down_exps``, the biases split alike; ``twin`` gets them back in the checkpoint's
+    form, dequantized."""
+    w = w.astype(np.float32)
+    if hf.endswith("_bias"):
+        if "gate_up" in hf:
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(w[:, ::2]))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(w[:, 1::2]))
+        else:
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", w)
+        twin[hf] = w
+        return
+    rows = w.transpose(0, 2, 1)  # [E, out, in]
+    parts = ({"ffn_gate_exps": rows[:, ::2], "ffn_up_exps": rows[:, 1::2]} if "gate_up" in hf
+             else {"ffn_down_exps": rows})
+    back = {}
+    for part, value in parts.items():
+        name = f"blk.{layer}.{part}.weight"
+        qtype = types.get(name, T.F32)
+        num, out, cols = value.shape
+        packed = quantize(np.ascontiguousarray(value).reshape(num * out, cols), qtype)
+        back[part] = gguf.quants.dequantize(packed, qtype).reshape(value.shape)
+        writer.add_tensor(name, packed.reshape(num, out, -1),
+                          raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+    if "gate_up" in hf:
+        both = np.stack([back["ffn_gate_exps"], back["ffn_up_exps"]], axis=2)
+        twin[hf] = both.reshape(w.shape[0], -1, w.shape[1]).transpose(0, 2, 1)
+    else:
+        twin[hf] = back["ffn_down_exps"].transpose(0, 2, 1)

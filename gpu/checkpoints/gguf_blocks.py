@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -46,6 +47,19 @@ def to_weight(name: str, qtype: T, data: np.ndarray) -> torch.Tensor | Quantized
         raise ValueError(f"GGUF tensor {name!r} is a quantized {data.ndim}-D tensor; tidal reads "
                          "quantized matrices only")
     return _UNPACK[qtype](np.asarray(data))
+
+
+def dense_tensor(name: str, qtype: T, data: np.ndarray) -> torch.Tensor:
+    """The tensor as floats whatever its type and rank: quantized blocks dequantized (MXFP4,
+    which is read for gpt-oss's experts only, by the ``gguf`` package's reference)."""
+    if qtype == T.MXFP4:
+        return torch.from_numpy(gguf.quants.dequantize(np.asarray(data), qtype))
+    if qtype in FLOAT_TYPES:
+        return _float_tensor(qtype, data).float()
+    shape = data.shape
+    weight = to_weight(name, qtype, np.asarray(data).reshape(-1, shape[-1]))
+    assert isinstance(weight, QuantizedWeight)
+    return weight.dequantize(torch.float32).reshape(*shape[:-1], -1)
 
 
 def _float_tensor(qtype: T, data: np.ndarray) -> torch.Tensor:

@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from tidal.gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, to_weight
+from tidal.gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, dense_tensor, to_weight
+from tidal.gpu.checkpoints.gguf_gpt_oss import (
+    GPT_OSS_ARCH,
+    ExpertPairs,
+    gpt_oss_config,
+    is_expert_part,
+)
+from tidal.gpu.checkpoints.gguf_gpt_oss import LAYER_NAMES as GPT_OSS_NAMES
+from tidal.gpu.checkpoints.gguf_settings import GEMMAS, gemma_config, moe_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +51,12 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    GPT_OSS_ARCH: ("GptOssForCausalLM", False),  # gguf_gpt_oss.py
 }
-GEMMAS = ("gemma2", "gemma3")
 # Gemma's norms around each block, where GGUF's names differ from a Llama's
 _GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-# llama.cpp's fixed choices for Gemma that its files do not record: every n-th layer global,
-# the local layers' rotary base, and the sizes (by layer count) whose attention scale is
-# hidden / heads rather than the head size (Gemma 2 27B, Gemma 3 27B)
-_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
-_GEMMA_LOCAL_THETA = 10_000.0
-_GEMMA_HIDDEN_SCALED = {"gemma2": 46, "gemma3": 62}
 MIXTRAL = "MixtralForCausalLM"  # a ``llama`` file with experts
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -98,11 +100,21 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
     match = _LAYER_TENSOR.fullmatch(name)
-    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if arch in GEMMAS else _LAYER_NAMES
+    names = _arch_names(arch)
     if match and match.group(2) in names:
         layer, part, kind = match.groups()
+        if part == "attn_sinks":  # a parameter of its own, not a module's weight
+            return f"model.layers.{layer}.{names[part]}"
         return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
+
+
+def _arch_names(arch: str) -> dict[str, str]:
+    if arch in GEMMAS:
+        return {**_LAYER_NAMES, **_GEMMA_NAMES}
+    if arch == GPT_OSS_ARCH:
+        return {**_LAYER_NAMES, **GPT_OSS_NAMES}
+    return _LAYER_NAMES
 
 
 def gguf_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
@@ -119,10 +131,17 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
     permuted = ARCHITECTURES[meta.arch][1]
     heads = {"attn_q": meta.int("attention.head_count"),
              "attn_k": meta.int("attention.head_count_kv", meta.int("attention.head_count"))}
+    pairs = ExpertPairs()
     for tensor in reader.tensors:
         name = hf_name(tensor.name, meta.arch)
-        if name is None and _LAYER_TENSOR.fullmatch(tensor.name) and \
-                tensor.name.split(".")[2] in EXPERT_PARTS:
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        if match and meta.arch == GPT_OSS_ARCH and is_expert_part(match.group(2)):
+            layer, part, kind = match.groups()
+            yield from pairs.add(layer, part, kind, dense_tensor(tensor.name,
+                                                                 tensor.tensor_type,
+                                                                 tensor.data))
+            continue
+        if name is None and match and match.group(2) in EXPERT_PARTS:
             yield from _experts(tensor)
             continue
         if name is None:
@@ -137,6 +156,7 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
         if meta.arch in GEMMAS and tensor.name.endswith("norm.weight"):
             weight = weight - 1  # llama.cpp stores Gemma's norms as the 1 + w they scale by
         yield name, weight
+    pairs.check_done()
 
 
 def _experts(tensor: Any) -> Iterator[tuple[str, Any]]:
@@ -244,42 +264,10 @@ def _hf_config(path: str | Path) -> dict[str, Any]:
         "eos_token_id": [int(v) for key in ("eos_token_id", "eot_token_id")
                          if (v := meta.get(f"tokenizer.ggml.{key}", prefixed=False))
                          is not None],
-        **_moe_config(meta),
-        **_gemma_config(meta, hidden, heads),
+        **moe_config(meta),
+        **gemma_config(meta, hidden, heads),
+        **(gpt_oss_config(meta) if meta.arch == GPT_OSS_ARCH else {}),
     }
-
-
-def _gemma_config(meta: Metadata, hidden: int, heads: int) -> dict[str, Any]:
-    """Gemma's settings as its ``config.json`` names them: the soft-caps and the window from
-    the metadata, the rest as llama.cpp fixes them (``_GEMMA_*``)."""
-    if meta.arch not in GEMMAS:
-        return {}
-    layers = meta.int("block_count")
-    head_dim = meta.int("attention.key_length", hidden // heads)
-    scalar = hidden // heads if layers == _GEMMA_HIDDEN_SCALED[meta.arch] else head_dim
-    caps = {key: meta.float(key, 0.0) or None
-            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-    return {"sliding_window": meta.int("attention.sliding_window", 0) or None,
-            "sliding_window_pattern": _GEMMA_PATTERN[meta.arch],
-            "query_pre_attn_scalar": scalar, "rope_local_base_freq": _GEMMA_LOCAL_THETA,
-            "hidden_activation": "gelu_pytorch_tanh", **caps}
-
-
-def _moe_config(meta: Metadata) -> dict[str, Any]:
-    """The experts' settings as Qwen3-MoE's or Mixtral's ``config.json`` names them; the
-    layers without stacked experts are Qwen3-MoE's dense ``mlp_only_layers``."""
-    if not meta.get("expert_count"):
-        return {}
-    moe: dict[str, Any] = {"num_local_experts": meta.int("expert_count"),
-                           "num_experts_per_tok": meta.int("expert_used_count")}
-    if meta.arch == "qwen3moe":
-        sparse = {int(t.name.split(".")[1]) for t in meta.reader.tensors
-                  if t.name.endswith(".ffn_gate_exps.weight")}
-        moe.update(moe_intermediate_size=meta.int("expert_feed_forward_length"),
-                   norm_topk_prob=True,  # as llama.cpp's qwen3moe graph always does
-                   mlp_only_layers=[i for i in range(meta.int("block_count"))
-                                    if i not in sparse])
-    return moe
 
 
 def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
@@ -292,6 +280,15 @@ def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
     kind = meta.get("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
-        raise ValueError(f"GGUF rope scaling {kind!r} is not one tidal reads (it reads linear)")
-    return {"rope_type": "linear", "factor": meta.float("rope.scaling.factor", 1.0)}
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not one tidal reads (it reads "
+                         "linear and yarn)")
+    scaling = {"rope_type": kind, "factor": meta.float("rope.scaling.factor", 1.0)}
+    if kind == "yarn":  # llama.cpp's defaults for the betas where the file has none
+        scaling.update(original_max_position_embeddings=meta.int(
+            "rope.scaling.original_context_length"),
+            beta_fast=meta.float("rope.scaling.yarn_beta_fast", 32.0),
+            beta_slow=meta.float("rope.scaling.yarn_beta_slow", 1.0))
+        if meta.arch == GPT_OSS_ARCH:
+            scaling["truncate"] = False  # as gpt-oss's own config says
+    return scaling

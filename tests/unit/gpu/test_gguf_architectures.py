@@ -114,3 +114,38 @@ def test_gemma_settings_come_from_the_metadata(gemma_gguf):
 def test_gemma_gguf_matches_hf_on_the_dequantized_weights(gemma_gguf):
     _, path, twin = gemma_gguf
     _check_against_twin(LLM(str(path), dtype="float32", **on_test_device()), twin)
+
+
+# -- gpt-oss: MXFP4 experts split from the interleaved gate_up, sinks, YaRN -----------------
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-gpt-oss")
+    # the SwiGLU clamp as llama.cpp fixes it (the file does not record it)
+    model_dir = build_model_dir(root / "hf", "gpt_oss", swiglu_limit=7.0)
+    config = json.loads((model_dir / "config.json").read_text())
+    types = {}
+    for i in range(config["num_hidden_layers"]):
+        types.update({f"blk.{i}.{part}.weight": T.Q8_0
+                      for part in ("attn_q", "attn_k", "attn_v", "attn_output")})
+        types.update({f"blk.{i}.{part}.weight": T.MXFP4
+                      for part in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")})
+    path = root / "model.gguf"
+    twin_weights = write_gguf(model_dir, path, "gpt-oss", types)
+    return model_dir, path, _twin(root, model_dir, twin_weights)
+
+
+def test_gpt_oss_settings_come_from_the_metadata(gpt_oss_gguf):
+    model_dir, path, _ = gpt_oss_gguf
+    got, want = ModelConfig.load(path), ModelConfig.from_dir(model_dir)
+    for key in ("architecture", "rope_theta", "head_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "gpt_oss", "o_bias", "qkv_bias"):
+        assert getattr(got, key) == getattr(want, key), key
+    assert {k: v for k, v in got.rope_scaling.items() if k not in ("rope_type", "rope_theta")} == \
+        {k: v for k, v in want.rope_scaling.items() if k not in ("rope_type", "rope_theta")}
+
+
+@pytest.mark.gpu
+def test_gpt_oss_gguf_matches_hf_on_the_dequantized_weights(gpt_oss_gguf):
+    _, path, twin = gpt_oss_gguf
+    _check_against_twin(LLM(str(path), dtype="float32", **on_test_device()), twin)
