@@ -3,8 +3,8 @@ C++ kernel (``gpu/cpu/csrc/attention.cpp``), every float32 prefill chunk of a st
 another (``gpu/cpu/csrc/prefill_attention.cpp``), and each step's keys and values are stored by a
 third.
 
-Layers with attention sinks (gpt-oss) take the torch backend's path: the C++ kernels have no
-sinks yet.
+Layers with attention sinks (gpt-oss) take the kernels too: a sink joins each row's softmax
+sum with no value.
 
 Where the kernels cannot be built, ``get_attention_backend`` falls back to the torch backend,
 which gathers each request's context into a copy first and attends prefill chunks one request
@@ -48,7 +48,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """softmax(q.k * scale) @ v for every decode row in one call: each row reads only its
         own context (its last ``window`` positions, where a window is given), so rows of any
         lengths go together."""
-        if not (sinks is None and _kernel_dtypes(query, key_cache, value_cache, out)
+        if not (_kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.decode_plan, len(meta.decode_requests))):
             return super()._decode(query, key_cache, value_cache, meta, scale, out, scales,
@@ -56,7 +56,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         requests, query_rows = meta.decode_rows_cpu
         self.kernels.decode_attention(out, query, key_cache, value_cache, meta.block_table,
                                       meta.seq_lens, requests, query_rows, scale, *scales,
-                                      window=window, softcap=softcap)
+                                      window=window, softcap=softcap, sinks=_float(sinks))
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
@@ -64,7 +64,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                  softcap: float = 0.0, sinks: Sinks = None) -> None:
         """Every prefill chunk in one call; the kernel takes float32 only, and torch's fused
         attention keeps the half-precision chunks."""
-        if not (sinks is None and query.dtype == torch.float32
+        if not (query.dtype == torch.float32
                 and _kernel_dtypes(query, key_cache, value_cache, out)
                 and self.kernels.decode_attention_supports(query.shape[-1])
                 and _chosen(self.prefill_plan, meta.num_actual_tokens)):
@@ -73,7 +73,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels.prefill_attention(out, query, key_cache, value_cache, meta.block_table,
                                        meta.seq_lens, meta.query_start_loc,
                                        meta.prefill_requests_cpu, scale, *scales,
-                                       window=window, softcap=softcap)
+                                       window=window, softcap=softcap, sinks=_float(sinks))
+
+
+def _float(sinks: Sinks) -> torch.Tensor | None:
+    """The kernels take sinks as contiguous float32."""
+    return None if sinks is None else sinks.detach().float().contiguous()
 
 
 def _kernel_dtypes(*tensors: torch.Tensor) -> bool:

@@ -298,7 +298,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
                              const torch::Tensor& requests, const torch::Tensor& query_rows,
                              float scale, const tidal::OptionalTensor& k_scale,
                              const tidal::OptionalTensor& v_scale, int64_t window,
-                             float softcap) {
+                             float softcap, const float* sinks) {
   using cache_t = typename Rows::type;
   const int64_t rows = requests.numel(), heads = query.size(1), dim = query.size(2);
   const int64_t group = heads / key_cache.size(2);
@@ -379,7 +379,9 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query,
       scalar_t* oi = o + qrow[i] * out.stride(0);
       for (int64_t h = h0; h < h1; ++h) {
         const float* a = states[h].acc;
-        const float total = tidal::sum(tidal::load<V>(a + 2 * dim));
+        float total = tidal::sum(tidal::load<V>(a + 2 * dim));
+        // a sink is a logit with no value: it joins the softmax's sum only
+        if (sinks != nullptr) total += std::exp(sinks[h] - states[h].max);
         for (int64_t e = 0; e < dim; ++e)
           oi[h * dim + element[e]] = static_cast<scalar_t>((a[e] + a[dim + e]) / total);
       }
@@ -397,14 +399,17 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale, c10::optional<torch::Tensor> k_scale,
-                      c10::optional<torch::Tensor> v_scale, int64_t window, double softcap) {
+                      c10::optional<torch::Tensor> v_scale, int64_t window, double softcap,
+                      c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
                k_scale, v_scale);
+  const float* sink = tidal::sink_logits(sinks, query.size(1));
   const auto run = [&](auto rows, auto element) {
     decode_attention_kernel<decltype(rows), decltype(element)>(
         out, query, key_cache, value_cache, block_table, seq_lens, requests, query_rows,
-        static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap));
+        static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap),
+        sink);
   };
   const bool int8 = key_cache.scalar_type() == torch::kInt8;
   switch (query.scalar_type()) {

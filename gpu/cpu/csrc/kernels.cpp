@@ -320,13 +320,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("requests"), py::arg("query_rows"), py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
         "causal softmax(q.K) V of prefill chunks over the paged cache (float32)",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"),
         py::arg("requests"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, first NaN)");
   m.def("decode_inputs", &decode_inputs, "a decode step's flattened inputs in one call");
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(),

@@ -116,25 +116,28 @@ bool decode_attention_supports(int64_t head_dim);
 
 // attention.cpp: out[query_rows[i]] = softmax(scale * q.K) V over request requests[i]'s
 // paged context, for every decode row i; an int8 cache comes with its scales. window > 0:
-// only the context's last `window` positions; softcap > 0: scores soft-capped by it.
+// only the context's last `window` positions; softcap > 0: scores soft-capped by it; sinks
+// (float32 [heads]): a logit per head that joins each row's softmax with no value (gpt-oss).
 void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                       torch::Tensor value_cache, torch::Tensor block_table,
                       torch::Tensor seq_lens, torch::Tensor requests, torch::Tensor query_rows,
                       double scale, c10::optional<torch::Tensor> k_scale = c10::nullopt,
                       c10::optional<torch::Tensor> v_scale = c10::nullopt,
-                      int64_t window = 0, double softcap = 0.0);
+                      int64_t window = 0, double softcap = 0.0,
+                      c10::optional<torch::Tensor> sinks = c10::nullopt);
 
 // prefill_attention.cpp: causal attention of the query rows of every request in
 // `requests` (rows query_start_loc[r]:query_start_loc[r + 1], the last ones of its context)
 // over its paged context, into the same rows of out; float32 queries over a float32 cache, or
-// an int8 one with its scales; decode_attention's head sizes, window and softcap.
+// an int8 one with its scales; decode_attention's head sizes, window, softcap and sinks.
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor block_table,
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        torch::Tensor requests, double scale,
                        c10::optional<torch::Tensor> k_scale = c10::nullopt,
                        c10::optional<torch::Tensor> v_scale = c10::nullopt,
-                       int64_t window = 0, double softcap = 0.0);
+                       int64_t window = 0, double softcap = 0.0,
+                       c10::optional<torch::Tensor> sinks = c10::nullopt);
 
 // activation.cpp: SiLU(x[..., :n]) * x[..., n:] for x [..., 2n], rounded as torch's two ops.
 torch::Tensor silu_and_mul(torch::Tensor x);

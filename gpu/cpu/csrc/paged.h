@@ -36,6 +36,15 @@ inline void check_cache_scales(const torch::Tensor& key_cache, const OptionalTen
                 "scales must be contiguous float32 [blocks, block_size, kv_heads]");
 }
 
+// A layer's attention sinks: contiguous float32 [heads], or none (nullptr).
+inline const float* sink_logits(const OptionalTensor& sinks, int64_t heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == torch::kFloat32 &&
+                  sinks->is_contiguous() && sinks->dim() == 1 && sinks->size(0) == heads,
+              "sinks must be contiguous float32 [heads]");
+  return sinks->data_ptr<float>();
+}
+
 inline void check_paged_attention_inputs(const torch::Tensor& out, const torch::Tensor& query,
                                          const torch::Tensor& key_cache,
                                          const torch::Tensor& value_cache,

@@ -183,11 +183,12 @@ void dequantize_tile(const int8_t* keys, const int8_t* values, const int64_t* of
 
 // One item over its context: qt [DIM][kRows] (scaled queries), positions[k] the position of
 // row k, in increasing order; leaves the unnormalised output in ot [DIM][kRows] and returns
-// the softmax sums. An int8 cache's tiles are dequantized into `tile` (2 kKeys DIM floats).
+// the softmax sums (each row's shifted by its maximum score, left in `row_max`). An int8
+// cache's tiles are dequantized into `tile` (2 kKeys DIM floats).
 template <int DIM, typename cache_t>
 V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* values,
               const int64_t* offsets, Scales scales, float* tile, float* ot, int64_t window,
-              float softcap) {
+              float softcap, V& row_max) {
   constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   int64_t tile_offsets[kKeys];  // where each key's row sits in the dequantized tile
   for (int64_t j = 0; j < kKeys; ++j) tile_offsets[j] = j * DIM;
@@ -239,6 +240,7 @@ V attend_rows(const float* qt, V positions, const cache_t* keys, const cache_t* 
       tile_values<DIM>(ot, alpha, p, values, offsets + k0, n);
     }
   }
+  row_max = running_max;
   return sums;
 }
 
@@ -248,7 +250,8 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                     const torch::Tensor& query_start_loc, const torch::Tensor& requests,
                     float scale, const tidal::OptionalTensor& k_scale,
-                    const tidal::OptionalTensor& v_scale, int64_t window, float softcap) {
+                    const tidal::OptionalTensor& v_scale, int64_t window, float softcap,
+                    const float* sinks) {
   constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
   const int64_t heads = query.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -298,9 +301,12 @@ void prefill_kernel(torch::Tensor& out, const torch::Tensor& query,
       const Scales scales = kScaled ? Scales{key_scales + item.kv_head,
                                              value_scales + item.kv_head, at_scales.data()}
                                     : Scales{nullptr, nullptr, nullptr};
-      const V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset,
-                                      values + kv_offset, offsets.data(), scales, tile.data(),
-                                      ot.data(), window, softcap);
+      V row_max;
+      V sums = attend_rows<DIM>(qt.data(), positions, keys + kv_offset, values + kv_offset,
+                                offsets.data(), scales, tile.data(), ot.data(), window, softcap,
+                                row_max);
+      if (sinks != nullptr)  // a sink is a logit with no value: it joins the sums only
+        for (int64_t k = 0; k < kRows; ++k) sums[k] += std::exp(sinks[head[k]] - row_max[k]);
       for (int64_t d = 0; d < DIM; ++d)  // one vector division per dimension, not one per row
         tidal::store(ot.data() + d * kRows, tidal::load<V>(ot.data() + d * kRows) / sums);
       for (int64_t k = 0; k < rows; ++k) {
@@ -332,14 +338,16 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key
                        torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        torch::Tensor requests, double scale,
                        c10::optional<torch::Tensor> k_scale,
-                       c10::optional<torch::Tensor> v_scale, int64_t window, double softcap) {
+                       c10::optional<torch::Tensor> v_scale, int64_t window, double softcap,
+                       c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   check_inputs(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                requests, k_scale, v_scale);
+  const float* sink = tidal::sink_logits(sinks, query.size(1));
   if (key_cache.scalar_type() == torch::kInt8) return dispatch_dim<int8_t>(
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, requests,
-      static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap));
+      static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap), sink);
   dispatch_dim<float>(out, query, key_cache, value_cache, block_table, seq_lens,
                       query_start_loc, requests, static_cast<float>(scale), k_scale, v_scale,
-                      window, static_cast<float>(softcap));
+                      window, static_cast<float>(softcap), sink);
 }

@@ -1,8 +1,9 @@
 """Attention sinks (gpt-oss: a learned logit per query head that joins each row's softmax
 denominator and takes no value) in every attention backend: the torch backend, the CPU backend
-(which hands layers with sinks to the torch path), and the Triton kernels (in Triton's
-interpreter without a GPU), against the per-request reference's plain maths; and that
-reference against the formula written out for a one-key context."""
+and its C++ decode and prefill kernels (float32, bfloat16 and int8 caches, with windows and
+soft-caps), and the Triton kernels (in Triton's interpreter without a GPU), against the
+per-request reference's plain maths; and that reference against the formula written out for a
+one-key context."""
 
 from __future__ import annotations
 
@@ -72,6 +73,47 @@ def test_cpu_and_torch_backends_with_sinks(backend, window):
             query, key_cache, value_cache, meta, SCALE, window=window, sinks=sinks)
         ref = _reference(meta, query, key_cache, value_cache, window, sinks)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+def test_cpu_decode_kernel_with_sinks(window, softcap, dtype):
+    from tidal.gpu.attention.kv_quant import dequantize, quantize_caches
+    from tidal.gpu.cpu.kernels import load_cpu_kernels
+
+    meta, query, key_cache, value_cache, sinks = _decode_case()
+    scales: tuple[torch.Tensor, ...] = ()
+    ref_keys, ref_values = key_cache, value_cache
+    if dtype == "int8":
+        key_cache, value_cache, *scales = quantize_caches(key_cache, value_cache)
+        ref_keys, ref_values = dequantize(key_cache, scales[0]), dequantize(value_cache, scales[1])
+    elif dtype == torch.bfloat16:
+        query, key_cache, value_cache = (t.to(dtype) for t in (query, key_cache, value_cache))
+        ref_keys, ref_values = key_cache.float(), value_cache.float()
+    requests, rows = meta.decode_rows_cpu
+    out = torch.full_like(query, float("nan"))
+    load_cpu_kernels().decode_attention(out, query, key_cache, value_cache, meta.block_table,
+                                        meta.seq_lens, requests, rows, SCALE, *scales,
+                                        window=window, softcap=softcap, sinks=sinks)
+    ref = reference_paged_attention(query.float(), ref_keys, ref_values, meta, SCALE, window,
+                                    softcap, sinks=sinks)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 2e-2,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 3.0)])
+def test_cpu_prefill_kernel_with_sinks(window, softcap):
+    from tidal.gpu.cpu.kernels import load_cpu_kernels
+
+    meta, query, key_cache, value_cache, sinks = _prefill_case()
+    out = torch.full_like(query, float("nan"))
+    load_cpu_kernels().prefill_attention(
+        out, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
+        meta.query_start_loc, torch.arange(meta.num_reqs), SCALE, window=window,
+        softcap=softcap, sinks=sinks)
+    ref = reference_paged_attention(query, key_cache, value_cache, meta, SCALE, window, softcap,
+                                    sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
 def test_sinks_change_the_result():
