@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                       default=defaults.tensor_parallel_size,
                       help="split the model over N worker processes (one per GPU, or CPU "
                       "processes sharing the cores), all-reducing between them")
+    dist.add_argument("--pipeline-parallel-size", type=_positive_int,
+                      default=defaults.pipeline_parallel_size,
+                      help="split the model's layers into N stages in turn, each a "
+                      "tensor-parallel group, passing activations between them "
+                      "(docs/distributed.md)")
     dist.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
                       help="mp: the model in worker processes, one per rank (also for one "
                       "rank); uni: in the server's process; ray: in Ray actors, one per rank, "
@@ -208,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "a local one (pip install 'tidal[ray]'; docs/distributed.md) "
                       "(default: mp for several ranks)")
     dist.add_argument("--nnodes", type=_positive_int, default=defaults.nnodes,
-                      help="machines the tensor-parallel ranks span")
+                      help="machines the ranks (tensor x pipeline) span")
     dist.add_argument("--node-rank", type=int, default=defaults.node_rank,
                       help="this machine's place among --nnodes; only node 0 serves HTTP, the "
                       "others run their workers")

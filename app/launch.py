@@ -47,6 +47,7 @@ def serve(args: argparse.Namespace) -> int:
             cpu_kernels=args.cpu_kernels, quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
             node_rank=args.node_rank, distributed_init_method=args.distributed_init_method,
             grammar_compile_timeout=args.grammar_compile_timeout,
@@ -90,7 +91,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_workers_only(config: EngineConfig) -> int:
-    """A node past the first: its tensor-parallel workers, until they end."""
+    """A node past the first: its workers (tensor-parallel ranks, pipeline stages), until they
+    end."""
     from tidal.core.executor import run_worker_node
 
     logger.info("node %d of %d: this node's ranks run in worker processes, meeting at %s",

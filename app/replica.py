@@ -43,6 +43,7 @@ async def server_info(request: Request) -> Response:
         "page_size": config.get("block_size"),
         "dp_size": 1,  # one tidal process is one data-parallel rank
         "tp_size": config.get("tensor_parallel_size", 1),
+        "pp_size": config.get("pipeline_parallel_size", 1),
         "engine_config": config,
         # what runs the model's ops now: it changes once a background upgrade (the CPU
         # kernels built, the plans timed) is swapped in

@@ -68,9 +68,12 @@ class EngineConfig:
     quantization_group_size: int = 32
     seed: int = 0
     # Tensor parallelism: a worker process per rank (torch.distributed: gloo on CPU, NCCL on
-    # GPU), ``nnodes`` machines of ``tensor_parallel_size // nnodes`` ranks each, meeting at
+    # GPU), ``nnodes`` machines of ``world_size // nnodes`` ranks each, meeting at
     # ``distributed_init_method`` (``tcp://HEAD:PORT``; None: a free port on this machine)
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the layers split into this many stages in turn, each stage a
+    # tensor-parallel group; world = tensor_parallel_size x pipeline_parallel_size processes
+    pipeline_parallel_size: int = 1
     distributed_init_method: str | None = None
     nnodes: int = 1
     node_rank: int = 0
@@ -116,8 +119,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_budget()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size", "nnodes", "grammar_compile_workers",
-                     "grammar_cache_bytes"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes",
+                     "grammar_compile_workers", "grammar_cache_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -155,12 +158,15 @@ class EngineConfig:
                              f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")
         if backend == "ray":
             self._check_ray()
-        if backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError("distributed_executor_backend 'uni' runs one rank; "
-                             f"tensor_parallel_size is {self.tensor_parallel_size}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a "
-                             f"multiple of nnodes {self.nnodes}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if backend == "uni" and getattr(self, name) > 1:
+                raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {name} "
+                                 f"is {getattr(self, name)}")
+        if self.world_size % self.nnodes:
+            what = ("tensor_parallel_size" if self.pipeline_parallel_size == 1
+                    else "tensor_parallel_size x pipeline_parallel_size")
+            raise ValueError(f"{what} {self.world_size} must be a multiple of nnodes "
+                             f"{self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.distributed_init_method:
@@ -178,6 +184,11 @@ class EngineConfig:
         if self.nnodes > 1:
             raise ValueError("with distributed_executor_backend 'ray', Ray places the ranks on "
                              "its nodes: drop nnodes (and node_rank)")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes in all: every pipeline stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _default_budget(self) -> int:
         if self.device != "cpu":

@@ -2,8 +2,8 @@
 
 ``EngineCore`` decides what runs; an ``Executor`` runs it: in this process on one device
 (``gpu/executor.py``'s ``UniProcExecutor``), or on a worker process per rank of a
-tensor-parallel group (``gpu/multiproc_executor.py``), whose rank 0 sends the sampled tokens
-back. The engine sees the same calls either way.
+tensor-parallel group, in every pipeline stage (``gpu/multiproc_executor.py``), whose rank 0
+sends the sampled tokens back. The engine sees the same calls either way.
 
 ``create_executor`` and ``run_worker_node`` are the only places outside ``gpu/`` that import
 it (``tests/unit/test_import_rules.py`` holds every other module to that): ``app/`` reaches the

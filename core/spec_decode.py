@@ -55,9 +55,10 @@ class Speculator:
         """Proposals for a decoding ``request`` (its known tokens all computed after this
         step's one), within ``budget - 1`` more tokens, as many as pay in a step of about
         ``num_rows`` rows (``core/spec_policy.py``; a seeded request keeps them all: its
-        random draws, and so its tokens, depend on its proposals). None for a request still prefilling
-        (its last prompt token included). A constrained request's proposals are cut at the
-        first its grammar refuses, so each proposed position has a bitmask to verify with."""
+        random draws, and so its tokens, depend on its proposals). None for a request still
+        prefilling (its last prompt token included). A constrained request's proposals are cut
+        at the first its grammar refuses, so each proposed position has a bitmask to verify
+        with."""
         if not request.num_output_tokens:
             return []
         cfg = self.config

@@ -13,14 +13,14 @@ from tidal.gpu.worker import create_model_runner
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """The model in this process on one device, or a worker process per tensor-parallel
-    rank (``distributed_executor_backend="mp"``: a world of one too), or a Ray actor per rank
-    (``"ray"``)."""
+    """The model in this process on one device, or a worker process per rank of the tensor-
+    and pipeline-parallel world (``distributed_executor_backend="mp"``: a world of one too),
+    or a Ray actor per rank (``"ray"``)."""
     if config.distributed_executor_backend == "ray":
         from tidal.gpu.ray_executor import RayExecutor
 
         return RayExecutor(config)
-    if config.tensor_parallel_size > 1 or config.distributed_executor_backend == "mp":
+    if config.world_size > 1 or config.distributed_executor_backend == "mp":
         from tidal.gpu.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

@@ -94,7 +94,8 @@ class KVCacheSetup:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
-            self.model.compute_logits(hidden[: self._max_logits_rows()]).float()
+            if self.model.stage.is_last:  # a stage before it passed its activations on
+                self.model.compute_logits(hidden[: self._max_logits_rows()]).float()
         self.kv_caches = []
 
     def _max_logits_rows(self) -> int:
@@ -118,9 +119,9 @@ class KVCacheSetup:
     def _capture_cuda_graphs(self) -> None:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
         backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
-        tensor parallelism, whose all-reduces are not captured, nor for MoE models or a
-        pooling runner."""
-        if (self.device == "cpu" or self.config.enforce_eager or self.tp.size > 1
+        tensor or pipeline parallelism, whose collectives are not captured, nor for MoE models
+        or a pooling runner."""
+        if (self.device == "cpu" or self.config.enforce_eager or self.tp.world_size > 1
                 or self.pooler is not None):  # a pooling runner never decodes
             return
         if self.model_config.num_experts:  # gpu/moe.py's paths are not yet checked under capture

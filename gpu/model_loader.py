@@ -21,6 +21,7 @@ from tidal.gpu.layers import RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.models import MODELS
 from tidal.gpu.moe_weights import checkpoint_layout, expert_slot
+from tidal.gpu.pipeline import stage_weights
 from tidal.gpu.quantization.apply import (
     QUANTIZED_LINEARS,
     install,
@@ -94,7 +95,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
     float model never exists whole in memory; nor does it where the checkpoint's linears are
     all quantized already (a GGUF's). Under tensor parallelism each weight is cut to this
-    rank's part as it is read (after quantization, so that the parts are the whole's).
+    rank's part as it is read (after quantization, so that the parts are the whole's); a
+    pipeline stage reads its layers' weights only.
     With ``quantization``, the output head becomes int8 with one scale per row, which a tied
     embedding shares (``gpu/quantization/head.py``)."""
     quantization, dtype, device = options.quantization, options.dtype, options.device
@@ -107,6 +109,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
         weights = quantize_on_read(weights, quantization, options.group_size)
     if model.tp.size > 1:
         weights = shard_weights(weights, cfg, model.tp)
+    if model.stage.size > 1:
+        weights = stage_weights(weights, model.stage, cfg.num_layers)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     _reset_rotary_tables(model, device)
@@ -148,7 +152,7 @@ def _no_initialization(_layer: nn.Module) -> None:
 def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
                   dtype: torch.dtype, source: str, quantize_head_rows: bool = False) -> None:
     params = dict(model.named_parameters())
-    device = model.norm.weight.device  # checkpoints are read on the CPU; the model's device
+    device = next(model.parameters()).device  # checkpoints are read on the CPU
     loaded: set[str] = set()
     quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
     tied_head = quantize_head_rows and cfg.tie_word_embeddings

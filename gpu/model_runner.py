@@ -30,6 +30,7 @@ from tidal.gpu.kv_cache_setup import KVCacheSetup
 from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
+from tidal.gpu.pipeline import pipeline_stage
 from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
@@ -54,17 +55,16 @@ class ModelRunner(KVCacheSetup):
             keep_freed_host_memory()
             if config.cpu_kernels is not None:
                 selector.set_mode(config.cpu_kernels)
-        self.max_model_len = max_model_len
-        self.block_size = config.block_size
-        self.tp = tensor_parallel()
-        self.shard_config = local_config(model_config, self.tp)  # this rank's heads
+        self.max_model_len, self.block_size = max_model_len, config.block_size
+        self.tp, self.stage = tensor_parallel(), pipeline_stage()
+        self.shard_config = self.stage.local(local_config(model_config, self.tp))  # heads, layers
         # A first start on a CPU serves at once while the kernels build or its plans are
         # timed, and plans timed on a noisy host are timed again later (a server's, on one
         # device; a tensor-parallel rank builds and plans first, as its peers do).
         self._last_step_at = 0.0  # time.monotonic() of the latest step
         self._upgrades = (CpuUpgrades(self._load_model, _plans_of, self.plan_signature(),
                                       lambda: self._last_step_at)
-                          if self.device == "cpu" and not config.offline and self.tp.size == 1
+                          if self.device == "cpu" and not config.offline and self.tp.world_size == 1
                           else None)
         # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
         self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
@@ -252,6 +252,8 @@ class ModelRunner(KVCacheSetup):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self._watched_forward(inputs)
+        if not self.stage.is_last:  # the activations went on; the worker takes the tokens
+            return StepHandle(self.batch, [], [], None)
         if pool_plan is not None:
             prof.lap("forward")
             return self.pooler.pool(pool_plan, hidden, self._to_device)

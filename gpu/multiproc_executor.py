@@ -1,4 +1,5 @@
-"""A worker process per tensor-parallel rank of this machine (``gpu/worker.py``).
+"""A worker process per rank of this machine (``gpu/worker.py``): tensor-parallel ranks, in
+every pipeline stage.
 
 Each call goes to rank 0 over a pipe (the step plan pickled: lists and numbers, no tensors),
 which hands it to every rank. Calls are answered in order, so a step can be launched before
@@ -26,6 +27,7 @@ from tidal.core.executor import Executor, ExecutorFailedError, StepResult
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.pipeline import check_pipeline_parallel
 from tidal.gpu.weight_shards import check_tensor_parallel
 from tidal.gpu.worker import SHUTDOWN, WorkerArgs, worker_main
 
@@ -35,7 +37,11 @@ STOP_TIMEOUT_S = 5.0
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        check_tensor_parallel(ModelConfig.load(config.model), config.tensor_parallel_size)
+        model_config = ModelConfig.load(config.model)
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
+        check_pipeline_parallel(model_config, config.pipeline_parallel_size, config.quantization,
+                                config.runner, config.speculative_config is not None)
+        self._config = config
         self.profiler = StepProfiler()  # the workers time their own phases
         self._lock = threading.Lock()  # one caller of the pipe at a time
         self._sent = self._received = 0  # calls sent to rank 0, answers read
@@ -51,8 +57,8 @@ class MultiprocExecutor(Executor):
         for name, value in info.items():
             setattr(self, name, value)
         threading.Thread(target=self._watch, name="tidal-worker-watch", daemon=True).start()
-        logger.info("tensor parallel: %d ranks in worker processes %s",
-                    config.tensor_parallel_size, [p.pid for p in self.workers])
+        logger.info("%s in worker processes %s", _layout(config),
+                    [p.pid for p in self.workers])
 
     def _start_workers(self, config: EngineConfig) -> tuple[list[Any], Any]:
         """The ranks, and the connection to rank 0 (``gpu/ray_executor.py`` places them
@@ -77,7 +83,7 @@ class MultiprocExecutor(Executor):
         return _RemoteStep(self, seq)
 
     def kernel_summary(self) -> str:
-        return f"{self._call('kernel_summary')} (rank 0; tensor parallel over {len(self.workers)})"
+        return f"{self._call('kernel_summary')} (rank 0; {_layout(self._config)})"
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._answer(self._send(method, *args))
@@ -169,7 +175,7 @@ def start_workers(config: EngineConfig, with_pipe: bool
                   ) -> tuple[list[mp.process.BaseProcess], Connection | None]:
     """This node's worker processes (ranks ``node_rank * local ... + local - 1``), and the
     pipe to rank 0 where it is one of them."""
-    local = config.tensor_parallel_size // config.nnodes
+    local = config.world_size // config.nnodes
     init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
     threads = int(os.environ.get("TIDAL_WORKER_THREADS", 0)) or max(
         1, torch.get_num_threads() // local)
@@ -198,6 +204,13 @@ def stop_processes(processes: list[mp.process.BaseProcess], timeout_s: float) ->
         if p.is_alive():
             p.kill()
             p.join(STOP_TIMEOUT_S)
+
+
+def _layout(config: EngineConfig) -> str:
+    """The ranks' layout in words: ``tensor parallel over 2, 2 pipeline stages``."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    parts = [f"tensor parallel over {tp}"] if tp > 1 or pp == 1 else []
+    return ", ".join(parts + ([f"{pp} pipeline stages"] if pp > 1 else []))
 
 
 def _deaths(dead: list[mp.process.BaseProcess]) -> str:

@@ -116,7 +116,7 @@ class RayExecutor(MultiprocExecutor):
             raise
 
     def _place_and_run(self, config: EngineConfig) -> tuple[list[RankHandle], Connection]:
-        ray, size = self._ray, config.tensor_parallel_size
+        ray, size = self._ray, config.world_size
         bundle = {"CPU": 1.0} if config.device == "cpu" else {"GPU": 1.0}
         self._pg = pg = ray.util.placement_group([bundle] * size, strategy="PACK")
         try:
@@ -257,7 +257,7 @@ def _connect(ray: Any, config: EngineConfig) -> None:
     except ConnectionError:
         cpus = os.cpu_count() or 1
         if config.device == "cpu":  # a rank per CPU bundle, even past the cores (as mp runs)
-            cpus = max(cpus, config.tensor_parallel_size)
+            cpus = max(cpus, config.world_size)
         ray.init(num_cpus=cpus, **quiet)
         logger.info("Ray: started a local instance with %d CPUs", cpus)
 

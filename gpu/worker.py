@@ -1,9 +1,11 @@
 """A model runner in this process (``create_model_runner``), and the worker process that runs
-one rank of a tensor-parallel group (``worker_main``).
+one rank of a tensor-parallel group, or of a pipeline stage's group (``worker_main``).
 
 Rank 0 takes each call from the engine over a pipe and broadcasts it to the other ranks (a
 gloo group, so ranks on other machines get it too); every rank runs it on its shard of the
-model, and rank 0 answers. A worker dies with its server: it never outlives it.
+model, and rank 0 answers. With pipeline stages every stage runs the same step plan on its
+layers, and the last stage's sampled tokens reach every rank (``gpu/pipeline.py``), rank 0
+included. A worker dies with its server: it never outlives it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tidal.gpu.model_checks import check_against_checkpoint, fit_context
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import resolve_dtype
 from tidal.gpu.model_runner import ModelRunner
+from tidal.gpu.pipeline import pipeline_stage, take_tokens
 
 logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"
@@ -60,7 +63,7 @@ class Worker:
     """One rank's model runner, and the calls the engine makes of it."""
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
-        self.runner, self.tp = runner, tp
+        self.runner, self.tp, self.stage = runner, tp, pipeline_stage()
 
     def describe(self) -> dict[str, Any]:
         r = self.runner
@@ -71,9 +74,10 @@ class Worker:
                     dtype_name=str(r.dtype).removeprefix("torch."))
 
     def determine_num_blocks(self) -> int:
-        """The fewest blocks any rank's budget holds (ranks may have different memory)."""
+        """The fewest blocks any rank's budget holds (ranks may have different memory, and
+        stages different layers), so that every stage's cache has the same blocks."""
         n = torch.tensor([self.runner.determine_num_blocks()], dtype=torch.int64)
-        if self.tp.size > 1:
+        if self.tp.world_size > 1:
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
         return int(n.item())
 
@@ -84,7 +88,12 @@ class Worker:
         return self.runner.host_tier.num_blocks if self.runner.host_tier else 0
 
     def execute_model(self, sched: Any) -> Any:
-        return self.runner.execute_model_async(sched).result()
+        out = self.runner.execute_model_async(sched).result()
+        if self.stage.size > 1 and not sched.is_empty:  # every stage ran a forward
+            out = self.stage.share_output(out)
+            if not self.stage.is_last:
+                take_tokens(self.runner.batch, out)
+        return out
 
     def kernel_summary(self) -> str:
         return self.runner.kernel_summary()
@@ -101,7 +110,7 @@ def worker_main(args: WorkerArgs, conn: Connection | None) -> None:
             config = replace(config, device=f"cuda:{args.local_rank}")
             torch.cuda.set_device(config.device)
         tp = init_tensor_parallel(args.rank, config.tensor_parallel_size, args.init_method,
-                                  config.device)
+                                  config.device, pipeline_size=config.pipeline_parallel_size)
         worker = Worker(create_model_runner(config), tp)
         torch.manual_seed(config.seed)  # from here every rank draws the same samples
         with worker.runner.step_modes():

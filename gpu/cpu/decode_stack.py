@@ -32,10 +32,12 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
     dtype or device, another attention backend, q/k norms, a model whose layers are not
     Llama's (``one_call_decode``: Gemma's are not), experts (``gpu/moe.py``), or linears
     without a C++ ``PlannedLinear`` (not packed; quantized ones have one where the kernels are
-    built), or tensor parallelism (its all-reduces run between the layers' ops). ``max_rows``:
+    built), or tensor parallelism (its all-reduces run between the layers' ops), or pipeline
+    stages (the step runs the whole model). ``max_rows``:
     the most rows a step may have, which an int8 embedding's staged table holds."""
     kernels = load_cpu_kernels()
-    if model.tp.size > 1 or not getattr(model, "one_call_decode", False):
+    if (model.tp.size > 1 or model.stage.size > 1
+            or not getattr(model, "one_call_decode", False)):
         return None
     cfg = model.config
     table = model.embed_tokens

@@ -80,7 +80,7 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
     plans.update(plan_head(model, max_rows, cache if auto else None))
     plans.update(plan_quant_linears(model, max_rows, cache if auto else None))
     kernels = load_cpu_kernels()
-    dtype = model.norm.weight.dtype
+    dtype = model.layers[0].input_layernorm.weight.dtype  # a pipeline stage may have no norm
     if auto and kernels is not None and cache is not None:
         with denormals_flushed():
             plans.update(_plan_ops(model, dtype, max_rows, max_seqs, cache))
@@ -134,7 +134,8 @@ def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
     The rule where the step is not timed as a whole (``plan_decode_stack``)."""
     attn = model.layers[0].self_attn
     act = getattr(model.layers[0].mlp, "act_fn", None)  # None: experts, which no stack runs
-    plans = [model.norm.plan, act and act.plan, attn.rotary.plan,
+    norm = model.norm if model.norm is not None else model.layers[0].input_layernorm  # a stage's
+    plans = [norm.plan, act and act.plan, attn.rotary.plan,
              getattr(attn.backend, "decode_plan", None)]
     return [all(p is None or p.pick(r) == KERNELS for p in plans) for r in range(max_seqs + 1)]
 

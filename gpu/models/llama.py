@@ -1,10 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
 
-All requests' tokens of a step form one ``[num_tokens]`` batch without padding; attention reads
-and writes the paged KV cache through the attention backend; q/k/v and gate/up are fused at load
-time. Under tensor parallelism each rank builds the model from its ``local_config``
-(``gpu/weight_shards.py``) and all-reduces the output and down projections' partial sums. Which
-kernels run each layer is the layers' concern (``gpu/layers.py``) and the runner's, not this file's.
+A step's tokens form one ``[num_tokens]`` batch without padding; attention goes through the
+paged KV cache's backend; q/k/v and gate/up are fused at load time. A tensor-parallel rank builds
+its ``local_config`` (``gpu/weight_shards.py``), a pipeline stage its layers (``gpu/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +14,10 @@ from tidal.gpu.attention import AttentionBackend, AttentionMetadata
 from tidal.gpu.distributed import TensorParallel, tensor_parallel
 from tidal.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, VocabParallelEmbedding
 from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.pipeline import pipeline_stage, stage_inputs
 from tidal.gpu.weight_shards import local_config
 
-# One layer's (key_cache, value_cache), or with an int8 cache (key_cache, value_cache, k_scale,
-# v_scale) (gpu.attention.kv_quant).
-KVCache = tuple[torch.Tensor, ...]
+KVCache = tuple[torch.Tensor, ...]  # a layer's key and value caches (+ int8 scales: kv_quant)
 
 
 class Attention(nn.Module):
@@ -29,8 +26,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
                                                             cfg.head_dim)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -109,10 +105,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp: TensorParallel = tensor_parallel()
         self.local_config = local = local_config(cfg, self.tp)  # this rank's heads and MLP
         self.max_positions = max_positions
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.stage = stage = pipeline_stage()  # which layers, and the embedding or head
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                             if stage.holds_embedding(cfg) else None)
         self.layers = nn.ModuleList(self.build_layers(local, backend))
-        self.norm = self.norm_type(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
+        self.norm = self.norm_type(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.lm_head = (nn.Linear(cfg.hidden_size, self.tp.shard_size(cfg.vocab_size), bias=False)
+                        if stage.is_last else None)
         self.tie_weights()
 
     def build_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> list[nn.Module]:
@@ -120,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta,
                                  cfg.rope_scaling)
         return [DecoderLayer(cfg, rotary, backend, self.make_mlp(cfg, i))
-                for i in range(cfg.num_layers)]
+                for i in self.stage.layer_range(cfg.num_layers)]
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return MLP(cfg)  # layer ``layer``'s feed-forward block: a subclass may choose per layer
@@ -128,16 +127,17 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the input embedding with the output head where the config says so (again
         after ``to_empty``, which unties parameters)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]`` (normalised)."""
-        x = self.embed(input_ids)
-        delta = None
+        """Final hidden states (normalised); on a stage before the last, the stream sent on."""
+        x, delta = stage_inputs(self, input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, delta, kv_cache, meta)
+        if not self.stage.is_last:
+            return self.stage.send(x, delta)
         return self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
