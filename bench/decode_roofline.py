@@ -8,7 +8,10 @@ of Qwen2.5-0.5B and Llama-3.2-1B (bf16), at each batch size:
 - ``step_ms``: one engine step while all requests decode (scheduling, inputs, forward, sampling,
   detokenization; with the engine's defaults: CUDA graphs and overlap on);
 - ``forward_ms``: the step's device work alone (graph replay, logits, argmax back to back);
-- ``roofline_ms``: (weight bytes + KV bytes read) / copy bandwidth, and the ratios to it.
+- ``roofline_ms``: (weight bytes + KV bytes read) / copy bandwidth, and the ratios to it;
+- ``read_roofline_ms``: the same bytes at the host's streaming read rate (a torch sum over a
+  buffer far past the caches, ``bench/offline_floor.py``), and ``read_fraction``: that time
+  over the step's, the share of the read rate the step reaches.
 
     python -m bench.decode_roofline                       # GPU: both shapes, batch 1/32/64/128
     python -m bench.decode_roofline --device cpu --tiny   # smoke run of the script on the CPU
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ from bench.decode_timing import (
     time_engine_decode,
 )
 from bench.model_shapes import SHAPES, build_shaped_model_dir, weight_bytes
+from bench.offline_floor import HostRates
 from tidal.core import LLM
 from tidal.core.config import QUANTIZATIONS
 
@@ -86,7 +91,7 @@ def release_memory(device: str) -> None:
 
 
 def run_shape(shape: str, args: argparse.Namespace, batches: list[int],
-              bandwidth: float) -> dict:
+              bandwidth: float, read_rate: float) -> dict:
     llm = make_llm(model_path(args, shape), args, max(batches))
     runner = llm.engine.executor.runner
     w_bytes = weight_bytes(runner.model)
@@ -98,8 +103,11 @@ def run_shape(shape: str, args: argparse.Namespace, batches: list[int],
         forward_ms = time_decode_forward(runner, batch, context)
         kv_bytes = batch * context * kv_per_token
         roofline_ms = 1000 * (w_bytes + kv_bytes) / bandwidth
+        read_roofline_ms = 1000 * (w_bytes + kv_bytes) / read_rate
         row = {"batch": batch, "context": context, "step_ms": engine["step_ms"],
                "forward_ms": forward_ms, "roofline_ms": roofline_ms,
+               "read_roofline_ms": read_roofline_ms,
+               "read_fraction": read_roofline_ms / engine["step_ms"],
                "step_over_roofline": engine["step_ms"] / roofline_ms,
                "forward_over_roofline": forward_ms / roofline_ms,
                "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "phases_ms": engine["phases_ms"]}
@@ -107,7 +115,8 @@ def run_shape(shape: str, args: argparse.Namespace, batches: list[int],
         print(f"{shape:>14} batch {batch:>4}: step {row['step_ms']:8.3f} ms, forward "
               f"{forward_ms:8.3f} ms, roofline {roofline_ms:8.3f} ms "
               f"(step {row['step_over_roofline']:.2f}x, forward "
-              f"{row['forward_over_roofline']:.2f}x)")
+              f"{row['forward_over_roofline']:.2f}x; {100 * row['read_fraction']:.0f} % of "
+              f"the read rate)")
     result = {"weight_bytes": w_bytes, "kv_bytes_per_token": kv_per_token,
               "cuda_graphs": runner.cuda_graphs is not None,
               "attention_backend": runner.backend.name, "dtype": str(runner.dtype),
@@ -121,13 +130,17 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth(args.device)
-    print(f"copy bandwidth on {args.device}: {bandwidth / 1e9:.1f} GB/s")
-    shapes = {shape: run_shape(shape, args, batches, bandwidth)
+    read_rate = HostRates.measure(args.device, "float32").read_bytes_per_s
+    print(f"copy bandwidth on {args.device}: {bandwidth / 1e9:.1f} GB/s; streaming read "
+          f"{read_rate / 1e9:.1f} GB/s")
+    shapes = {shape: run_shape(shape, args, batches, bandwidth, read_rate)
               for shape in args.shapes.split(",")}
     suffix = (device_slug(args.device) + (f"-{args.quantization}" if args.quantization else "")
               + ("-tiny" if args.tiny else ""))
     path = write_result(f"decode_roofline-{suffix}", {
-        "settings": vars(args), "copy_bandwidth_bytes_per_s": bandwidth, "shapes": shapes})
+        "settings": vars(args), "copy_bandwidth_bytes_per_s": bandwidth,
+        "read_bytes_per_s": read_rate, "load_average": list(os.getloadavg()),
+        "shapes": shapes})
     print(f"wrote {path}")
     return path
 
