@@ -144,12 +144,17 @@ async def check_grammar(state: ServerState, params: SamplingParams,
     if spec is None:
         return
     deadline = arrival.deadline if arrival is not None else None
+    client = arrival.client if arrival is not None else ""
+
+    async def compile_in_turn() -> None:  # one compile at a time per client (compile_gate.py)
+        async with state.compile_gate.turn(client):
+            await state.engine.compile_grammar(spec)
+
     try:
-        compiled = state.engine.compile_grammar(spec)
         if deadline is None:
-            await compiled
+            await compile_in_turn()
         else:  # the shared compile goes on (it is cached) when this request stops waiting
-            await asyncio.wait_for(compiled, max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(compile_in_turn(), max(0.0, deadline - time.monotonic()))
     except GrammarError as exc:
         raise ApiError(400, str(exc), exc.param, code=exc.code) from None
     except asyncio.TimeoutError:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.app.admission import Admission
 from tidal.app.body_screen import screen_pool
 from tidal.app.chat_template import ChatTemplate
+from tidal.app.compile_gate import CompileGate
 from tidal.app.metrics import ServerMetrics
 from tidal.app.refusals import RefusalMeter
 from tidal.app.response_store import ResponseStore
@@ -82,6 +83,8 @@ class ServerState:
     # the Responses API's stored responses, for ``previous_response_id`` and ``GET``; read on
     # the prepare threads, so made here rather than on first use
     responses: ResponseStore = field(init=False, repr=False)
+    # one grammar compile at a time per client (app/compile_gate.py)
+    compile_gate: CompileGate = field(default_factory=CompileGate, repr=False)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
