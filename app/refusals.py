@@ -10,6 +10,11 @@ and then goes on as usual; one that would wait longer is answered 429 with ``Ret
 and its connection closed once it has waited ``max_wait``, before its body is read. A client
 refused at most ``rate`` times a second never waits. At most ``max_held`` requests wait at
 once; past that they get the 429 at once.
+
+A refusal costs more the larger the body the server had to read for it: one refusal per
+``REFUSAL_BYTES`` of its declared length (at least one, at most a burst), so a client refused
+for bodies of megabytes is slowed to a body or two a second, and one refused for small mistakes
+as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 from tidal.app.admission import client_key
 from tidal.app.errors import ApiError
+
+REFUSAL_BYTES = 256 << 10  # the body length that counts as one more refusal
 
 
 @dataclass
@@ -38,10 +45,11 @@ class RefusalMeter:
         tokens, stamp = self._buckets.get(client, (self.burst, now))
         return min(self.burst, tokens + (now - stamp) * self.rate)
 
-    def record(self, client: str) -> None:
-        """Count one refusal of ``client``'s (its debt bounded by one burst)."""
+    def record(self, client: str, cost: float = 1.0) -> None:
+        """Count a refusal of ``client``'s, as ``cost`` refusals (its debt bounded by one
+        burst)."""
         now = time.monotonic()
-        tokens = max(-self.burst, self._tokens(client, now) - 1.0)
+        tokens = max(-self.burst, self._tokens(client, now) - min(max(cost, 1.0), self.burst))
         self._buckets[client] = (tokens, now)
         if len(self._buckets) > 4096:
             self._forget_full(now)
@@ -77,6 +85,16 @@ class RefusalMeter:
         """Drop the buckets that have refilled: they hold nothing a new one would not."""
         for client in [c for c in self._buckets if self._tokens(c, now) >= self.burst]:
             del self._buckets[client]
+
+
+def refusal_cost(headers: Mapping[str, str]) -> float:
+    """What a refused request counts as: one refusal per ``REFUSAL_BYTES`` of its declared
+    body (a chunked body, of no declared length, as one)."""
+    try:
+        length = int(headers.get("content-length") or 0)
+    except ValueError:
+        return 1.0
+    return max(1.0, length / REFUSAL_BYTES)
 
 
 def refusal_key(fair_share_by: str, scope: Mapping[str, Any],

@@ -28,7 +28,7 @@ from tidal.app.errors import ApiError
 from tidal.app.guard import RequestGuard
 from tidal.app.handling import check_api_key, get_state
 from tidal.app.metrics import CONTENT_TYPE
-from tidal.app.refusals import refusal_key
+from tidal.app.refusals import refusal_cost, refusal_key
 from tidal.app.replica import flush_cache, get_load, load, model_info, server_info
 from tidal.app.responses import create_response, delete_response, get_response
 from tidal.app.scoring import rerank, score
@@ -133,7 +133,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     if 400 <= exc.status < 500 and exc.code != "too_many_refusals":
         state = get_state(request)
         state.refusals.record(refusal_key(state.settings.fair_share_by, request.scope,
-                                          request.headers))
+                                          request.headers), refusal_cost(request.headers))
     return _json_error(exc)
 
 

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from tests.unit.app.test_api_unit import _engine_config, model_dir  # noqa: F401
 from tidal.app.errors import ApiError
-from tidal.app.refusals import RefusalMeter
+from tidal.app.refusals import REFUSAL_BYTES, RefusalMeter, refusal_cost
 from tidal.app.routes import build_app
 from tidal.app.server_state import ServerSettings
 from tidal.core.async_engine import AsyncEngine
@@ -26,6 +26,18 @@ def test_refusals_within_the_rate_never_wait():
     meter.record("a")
     assert 0.0 < meter.wait_for("a") <= 0.01 + 1e-9
     assert meter.wait_for("someone else") == 0.0
+
+
+def test_a_refused_large_body_counts_as_many_refusals():
+    assert refusal_cost({}) == refusal_cost({"content-length": "900"}) == 1.0
+    assert refusal_cost({"content-length": str(8 * REFUSAL_BYTES)}) == 8.0
+    assert refusal_cost({"content-length": "lots"}) == 1.0
+    meter = RefusalMeter(rate=100.0, burst=16)
+    meter.record("a", refusal_cost({"content-length": str(8 * REFUSAL_BYTES)}))
+    meter.record("a", 8.0)
+    assert meter.wait_for("a") > 0.0  # two large bodies drained the burst of 16
+    meter.record("b", 1000.0)  # at most a burst: it waits a burst's refill, no more
+    assert meter.wait_for("b") <= 17 / 100.0
 
 
 async def test_a_client_past_its_rate_waits_then_goes_on():
