@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bytes of host memory for a second tier of KV blocks, e.g. 8GiB: "
                         "prefix blocks the cache evicts are kept there and copied back on a "
                         "hit instead of computed again (default: none)")
+    engine.add_argument("--kv-offload-path", default=None, metavar="DIR",
+                        help="a directory where the host tier spills the blocks it evicts; "
+                        "a server started again with the same model and path finds those "
+                        "prefixes (needs --kv-offload-size; default: no disk)")
+    engine.add_argument("--kv-offload-disk-size", type=parse_bytes, default=None,
+                        help="bytes of disk for --kv-offload-path, e.g. 100GiB (default: 16GiB)")
     engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                         choices=KV_CACHE_DTYPES,
                         help="'auto' keeps the KV cache in the model's dtype; 'int8' stores it "

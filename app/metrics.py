@@ -111,18 +111,7 @@ class _EngineStatsCollector:
         for reason in ("kv_cache", "fair_share", "priority"):
             by_reason.add_metric([reason], stats.preemptions_by_reason.get(reason, 0))
         yield by_reason
-        host = GaugeMetricFamily("tidal:kv_host_tier_blocks",
-                                 "Blocks of the KV cache's host tier (--kv-offload-size): all "
-                                 "of them, and those holding a prefix block.", labels=["state"])
-        host.add_metric(["total"], stats.host_tier_blocks)
-        host.add_metric(["used"], stats.host_tier_used)
-        yield host
-        yield CounterMetricFamily("tidal:kv_host_tier_stored",
-                                  "Prefix blocks the device cache evicted into the host tier.",
-                                  value=stats.host_tier_stored)
-        yield CounterMetricFamily("tidal:kv_host_tier_hits",
-                                  "Blocks copied back from the host tier for a prefix hit.",
-                                  value=stats.host_tier_hits)
+        yield from _kv_tier_metrics(stats)
         yield GaugeMetricFamily("tidal:num_clients_waiting",
                                 "Clients with a request waiting to be scheduled (taken "
                                 "round-robin).", value=stats.num_waiting_clients)
@@ -285,3 +274,43 @@ class RequestTracker:
         for index in range(num_choices):
             reason = self.reasons.get(index, default_reason)
             self.metrics.request_success.labels(finished_reason=reason).inc()
+
+
+def _kv_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """The KV cache's second tier: blocks per tier, copies each way, hits, resumptions."""
+    for tier, flag, total, used in (
+            ("host", "--kv-offload-size", stats.host_tier_blocks, stats.host_tier_used),
+            ("disk", "--kv-offload-path", stats.disk_tier_blocks, stats.disk_tier_used)):
+        blocks = GaugeMetricFamily(f"tidal:kv_{tier}_tier_blocks",
+                                   f"Blocks of the KV cache's {tier} tier ({flag}): all of "
+                                   "them, and those holding a prefix block.", labels=["state"])
+        blocks.add_metric(["total"], total)
+        blocks.add_metric(["used"], used)
+        yield blocks
+    yield CounterMetricFamily("tidal:kv_host_tier_stored",
+                              "Prefix blocks the device cache evicted into the host tier.",
+                              value=stats.host_tier_stored)
+    yield CounterMetricFamily("tidal:kv_host_tier_hits",
+                              "Blocks copied back from the host tier for a prefix hit.",
+                              value=stats.host_tier_hits)
+    yield CounterMetricFamily("tidal:kv_disk_tier_stored",
+                              "Prefix blocks written to disk: the host tier's evictions, and the "
+                              "device's when no host slot was free.",
+                              value=stats.disk_tier_stored)
+    yield CounterMetricFamily("tidal:kv_disk_tier_hits",
+                              "Blocks copied back from disk for a prefix hit.",
+                              value=stats.disk_tier_hits)
+    yield CounterMetricFamily("tidal:kv_swapped_out_blocks",
+                              "Blocks copied out of the device cache into the second tier "
+                              "(host memory, or disk when no host slot was free).",
+                              value=stats.swapped_out_blocks)
+    yield CounterMetricFamily("tidal:kv_swapped_in_blocks",
+                              "Blocks copied into the device cache from the second tier (host "
+                              "or disk).", value=stats.host_tier_hits + stats.disk_tier_hits)
+    resumptions = CounterMetricFamily(
+        "tidal:kv_resumptions", "Preempted requests resumed with blocks in the second tier: "
+        "copied back (swap) or computed again (recompute), whichever was measured cheaper.",
+        labels=["method"])
+    for method in ("swap", "recompute"):
+        resumptions.add_metric([method], stats.resumptions_by_method.get(method, 0))
+    yield resumptions

@@ -10,6 +10,7 @@ from typing import Any
 from tidal.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+DEFAULT_KV_OFFLOAD_DISK_SIZE = 16 << 30  # with --kv-offload-path and no --kv-offload-disk-size
 # Tokens per step when none is given. A CPU step costs about the same per token from a few
 # hundred tokens up (its matmuls are compute-bound by then), so a larger budget only lengthens
 # the step every running stream waits on: 2,048 stalled the short chats beside 2,000-token
@@ -51,6 +52,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU
     # bytes of host memory for the KV cache's second tier (core/host_tier.py); 0: none
     kv_offload_size: int = 0
+    # a directory for the second tier's disk part, which takes the blocks the host part
+    # evicts and outlives the process (gpu/kv_disk_tier.py), and its bytes; None: no disk
+    kv_offload_path: str | None = None
+    kv_offload_disk_size: int | None = None  # None: DEFAULT_KV_OFFLOAD_DISK_SIZE with a path
     # "auto" (the model's dtype) or "int8" (8-bit values, a float32 scale per token and KV
     # head: gpu/attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
@@ -97,6 +102,19 @@ class EngineConfig:
     # core/pooling.py), vLLM's ``--runner``
     runner: str = "generate"
 
+    def _check_offload(self) -> None:
+        if self.kv_offload_path is None:
+            self.kv_offload_disk_size = 0
+            return
+        if self.kv_offload_size <= 0:
+            raise ValueError("kv_offload_path spills the host tier's evictions to disk: give "
+                             "the host tier some memory too (kv_offload_size)")
+        if self.kv_offload_disk_size is None:
+            self.kv_offload_disk_size = DEFAULT_KV_OFFLOAD_DISK_SIZE
+        if self.kv_offload_disk_size <= 0:
+            raise ValueError("kv_offload_disk_size must be a positive byte count, "
+                             f"got {self.kv_offload_disk_size}")
+
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
@@ -131,6 +149,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive byte count, "
                              f"got {self.kv_cache_memory}")
+        self._check_offload()
         if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be a positive number of seconds, "
                              f"got {self.grammar_compile_timeout}")

@@ -26,7 +26,7 @@ from tidal.core.pooling import check_runner, read_pooling_config
 from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.scheduler import Scheduler, SchedulerConfig
-from tidal.core.scheduler_output import SchedulerOutput
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 from tidal.core.structured_output.manager import StructuredOutputManager
 
@@ -57,6 +57,15 @@ class EngineStats:
     host_tier_used: int = 0
     host_tier_stored: int = 0
     host_tier_hits: int = 0
+    # its disk part (--kv-offload-path): blocks, those in use, written, copied back
+    disk_tier_blocks: int = 0
+    disk_tier_used: int = 0
+    disk_tier_stored: int = 0
+    disk_tier_hits: int = 0
+    swapped_out_blocks: int = 0  # copied out of the device into either tier
+    # preempted requests resumed with second-tier blocks: "swap" (copied back) or
+    # "recompute" (computed again), whichever was measured cheaper (core/swap_policy.py)
+    resumptions_by_method: dict[str, int] = field(default_factory=dict)
     spec_decode_num_drafts: int = 0  # runs of speculative tokens verified
     spec_decode_num_draft_tokens: int = 0  # speculative tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which the target accepted
@@ -88,8 +97,10 @@ class EngineCore:
         prefix_caching = config.enable_prefix_caching and not (
             self.pooling is not None and self.pooling.needs_every_position)
         host_blocks = executor.host_blocks()
+        disk_blocks, disk_index = executor.disk_index()
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching,
-                                 HostTier(host_blocks) if host_blocks else None)
+                                 HostTier(host_blocks, disk_blocks, disk_index)
+                                 if host_blocks else None)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             compile_workers=config.grammar_compile_workers,
@@ -106,6 +117,8 @@ class EngineCore:
         executor.profiler = self.profiler
         self._finished_elsewhere: list[Request] = []
         self._in_flight = None  # the launched step whose tokens are not processed yet
+        # with a second tier: each step in flight's schedule and launch time (swap_policy)
+        self._launches: dict[int, tuple[SchedulerOutput, float]] = {}
         # (deadline, tie-breaker, parent) of requests with a timeout: a heap, so a step looks
         # at none but those whose time has come
         self._deadlines: list[tuple[float, int, ParentRequest]] = []
@@ -207,9 +220,11 @@ class EngineCore:
         if sched.is_empty and self._in_flight is None:
             self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
         early = self._fill_grammar_bitmask(sched)
-        started = time.perf_counter()
+        launched = time.perf_counter()
         handle = self.executor.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
+        if self.kv.host is not None and not sched.is_empty:
+            self._launches[id(handle)] = (sched, launched)
         if self.config.async_scheduling:
             previous = self._in_flight
             self._in_flight = None if sched.is_empty else handle
@@ -218,7 +233,7 @@ class EngineCore:
         speculator = self.scheduler.speculator
         if speculator is not None and not sched.is_empty:
             speculator.observe_step(sched.total_num_scheduled_tokens,
-                                    time.perf_counter() - started)
+                                    time.perf_counter() - launched)
         return outputs
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -242,12 +257,35 @@ class EngineCore:
         return self.executor.step_modes()
 
     def shutdown(self) -> None:
-        """Release the executor's workers (a tensor-parallel group's processes)."""
-        self.executor.shutdown()
+        """Leave the KV tier's prefixes on disk (``--kv-offload-path``), then release the
+        executor's workers (a tensor-parallel group's processes)."""
+        try:
+            host = self.kv.host if hasattr(self, "kv") else None
+            copies = host.persist([(h, b.block_id) for h, b in self.kv.pool.cached.items()]
+                                  ) if host is not None else None
+            if copies:
+                self.executor.apply_kv_copies(copies)
+        finally:
+            self.executor.shutdown()
+
+    def _result(self, handle: StepResult) -> ModelRunnerOutput:
+        """A step's tokens; with a second tier, what the step measured for the choice between
+        swapping and recomputing (``core/swap_policy.py``): its prefill time per token, from
+        launch to tokens, and the copies' time per block."""
+        out = handle.result()
+        sched, launched = self._launches.pop(id(handle), (None, 0.0))
+        if sched is not None:
+            policy = self.kv.swap_policy
+            if sched.total_num_scheduled_tokens > len(sched.num_scheduled_tokens):  # prefill
+                policy.record_prefill(sched.total_num_scheduled_tokens,
+                                      time.perf_counter() - launched)
+            if sched.kv_copies and (sched.kv_copies.into or sched.kv_copies.from_disk):
+                policy.record_copies(self.executor.take_kv_copy_timing())
+        return out
 
     def _process(self, handle: StepResult | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens: stop checks, detokenization, deltas."""
-        updates = self.scheduler.update_from_output(handle.result()) if handle else []
+        updates = self.scheduler.update_from_output(self._result(handle)) if handle else []
         self.profiler.lap("update")
         finished, self._finished_elsewhere = self._finished_elsewhere, []
         outputs = self.output_processor.process(updates, finished, self._stop)
@@ -273,12 +311,17 @@ class EngineCore:
             preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
             **self._host_tier_stats(), **self._spec_stats())
 
-    def _host_tier_stats(self) -> dict[str, int]:
+    def _host_tier_stats(self) -> dict[str, object]:
         host = self.kv.host
         if host is None:
             return {}
+        stats = host.stats
         return {"host_tier_blocks": host.num_blocks, "host_tier_used": host.num_used,
-                "host_tier_stored": host.stats.stored, "host_tier_hits": host.stats.hits}
+                "host_tier_stored": stats.stored, "host_tier_hits": stats.hits,
+                "disk_tier_blocks": host.num_disk_blocks, "disk_tier_used": host.num_used_disk,
+                "disk_tier_stored": stats.disk_stored, "disk_tier_hits": stats.disk_hits,
+                "swapped_out_blocks": stats.stored + stats.disk_direct,
+                "resumptions_by_method": dict(self.kv.swap_policy.resumptions)}
 
     def _spec_stats(self) -> dict[str, Any]:
         speculator = self.scheduler.speculator

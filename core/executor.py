@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tidal.core.host_tier import KVCopies
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 
@@ -57,6 +58,19 @@ class Executor(ABC):
     def host_blocks(self) -> int:
         """Blocks of the host tier (``--kv-offload-size``) the cache allocated; 0: none."""
         return 0
+
+    def disk_index(self) -> tuple[int, dict[int, bytes]]:
+        """The disk tier's slots (``--kv-offload-path``) and the block hash each filled one
+        holds, as found at start; (0, {}): no disk tier."""
+        return 0, {}
+
+    def apply_kv_copies(self, copies: KVCopies) -> None:  # noqa: B027 - no tier by default
+        """Run tier copies outside a step (a shutdown's, ``HostTier.persist``), to the end."""
+
+    def take_kv_copy_timing(self) -> dict[str, tuple[int, float]]:
+        """The second tier's copies into the device since the last call, per tier ("host",
+        "disk"): (blocks, seconds); empty where not measured (across processes)."""
+        return {}
 
     @abstractmethod
     def execute_model_async(self, sched: SchedulerOutput,

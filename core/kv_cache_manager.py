@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from tidal.core.host_tier import HostTier
-from tidal.core.request import Request
+from tidal.core.host_tier import HostTier, TierHit
+from tidal.core.request import Request, RequestStatus
+from tidal.core.swap_policy import SwapPolicy
 
 
 @dataclass
@@ -29,7 +30,11 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         # the second tier (core/host_tier.py): evicted prefix blocks, copied back on a hit
         self.host = host_tier if enable_caching else None
-        self._host_hits: dict[str, list[int]] = {}  # request -> host slots of its lookup
+        self._host_hits: dict[str, list[TierHit]] = {}  # request -> second-tier hits
+        # a preempted request's way back, swap or recompute (core/swap_policy.py), counted
+        # once its blocks are allocated
+        self.swap_policy = SwapPolicy()
+        self._resume_method: dict[str, str] = {}
         if self.host is not None:
             self.pool.on_evict = self.host.store
 
@@ -62,19 +67,26 @@ class KVCacheManager:
         self.stats.hits += num_hit
         return hits, num_hit
 
-    def _host_lookup(self, request: Request, start: int, max_blocks: int) -> list[int]:
-        """The host slots of the blocks after the device's hits, as far as they go on; kept
-        for ``allocate_slots``, which copies them into the blocks it allocates."""
+    def _host_lookup(self, request: Request, start: int, max_blocks: int) -> list[TierHit]:
+        """The second-tier hits of the blocks after the device's hits, as far as they go on;
+        kept for ``allocate_slots``, which copies them into the blocks it allocates. A
+        preempted request takes them only where copying is measured to be cheaper than
+        computing them again."""
         if self.host is None:
             return []
-        slots = []
+        hits = []
         for block_hash in request.block_hashes[start:max_blocks]:
-            slot = self.host.find(block_hash)
-            if slot is None:
+            hit = self.host.lookup(block_hash)
+            if hit is None:
                 break
-            slots.append(slot)
-        self._host_hits[request.request_id] = slots
-        return slots
+            hits.append(hit)
+        if hits and request.status == RequestStatus.PREEMPTED:
+            num_disk = sum(1 for h in hits if h.tier == "disk")
+            swap = self.swap_policy.swap(len(hits) - num_disk, num_disk, self.block_size)
+            self._resume_method[request.request_id] = "swap" if swap else "recompute"
+            hits = hits if swap else []
+        self._host_hits[request.request_id] = hits
+        return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None,
@@ -98,10 +110,16 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
+        host_hits = self._host_hits.pop(request.request_id, [])
+        if host_hits:
+            self.host.reserve(host_hits)  # type: ignore[union-attr]
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new_blocks)
-        for slot, block in zip(self._host_hits.pop(request.request_id, ()), new_blocks):
-            self.host.load(slot, block.block_id)  # type: ignore[union-attr]
+        for hit, block in zip(host_hits, new_blocks):
+            self.host.load_hit(hit, block.block_id)  # type: ignore[union-attr]
+        method = self._resume_method.pop(request.request_id, None)
+        if method is not None:
+            self.swap_policy.resumptions[method] += 1
         room = len(blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
@@ -121,6 +139,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
+        self._resume_method.pop(request.request_id, None)
         self._room.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from tidal.core.config import EngineConfig
 from tidal.core.executor import Executor, StepResult
+from tidal.core.host_tier import KVCopies
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.worker import create_model_runner
@@ -55,6 +56,16 @@ class UniProcExecutor(Executor):
 
     def host_blocks(self) -> int:
         return self.runner.host_tier.num_blocks if self.runner.host_tier else 0
+
+    def disk_index(self) -> tuple[int, dict[int, bytes]]:
+        return self.runner.disk_index()
+
+    def apply_kv_copies(self, copies: KVCopies) -> None:
+        self.runner.apply_kv_copies(copies)
+
+    def take_kv_copy_timing(self) -> dict[str, tuple[int, float]]:
+        copier = self.runner.kv_copier
+        return copier.take_timing() if copier is not None else {}
 
     def execute_model_async(self, sched: SchedulerOutput,
                             before_forward: Callable[[], None] | None = None) -> StepResult:

@@ -12,8 +12,12 @@ from typing import Any
 import torch
 
 from tidal.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from tidal.core.host_tier import KVCopies
+from tidal.core.scheduler_output import SchedulerOutput
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, kv_quant
 from tidal.gpu.cuda_graphs import CudaGraphRunner
+from tidal.gpu.kv_copier import KVCopier
+from tidal.gpu.kv_disk_tier import KVDiskTier, manifest
 from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 
@@ -31,7 +35,8 @@ class KVCacheSetup:
     max_blocks_per_req: int
     model: torch.nn.Module
     kv_caches: list[tuple[torch.Tensor, ...]]
-    host_tier: KVHostTier | None  # --kv-offload-size's host blocks
+    host_tier: KVHostTier | None = None  # --kv-offload-size's blocks (--kv-offload-path's)
+    kv_copier: KVCopier | None = None  # their copies, on a thread (and stream) of their own
     pooler: Any  # gpu/pooler.py's Pooler for a pooling runner, else None
     cuda_graphs: CudaGraphRunner | None
     backend: AttentionBackend  # the runner's property: the running model's
@@ -111,10 +116,53 @@ class KVCacheSetup:
         dtype = torch.int8 if self.kv_cache_quantized else self.dtype
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
-        host_blocks = KVHostTier.blocks_for(self.config.kv_offload_size, self.kv_caches)
-        self.host_tier = KVHostTier(host_blocks, self.kv_caches) if host_blocks else None
-        if capture:
+        if capture:  # the cache steps run on, not the profiling run's: its tiers too
+            self._allocate_tiers()
             self._capture_cuda_graphs()
+
+    def _allocate_tiers(self) -> None:
+        """The second tier's host blocks (``--kv-offload-size``), its disk file
+        (``--kv-offload-path``) and their copy thread."""
+        if self.kv_copier is not None:
+            self.kv_copier.shutdown()
+        self.host_tier, self.kv_copier = None, None
+        config, caches = self.config, self.kv_caches
+        host_blocks = KVHostTier.blocks_for(config.kv_offload_size, caches)
+        if not host_blocks:
+            return
+        self.host_tier = KVHostTier(host_blocks, caches)
+        disk_blocks = KVDiskTier.blocks_for(config.kv_offload_disk_size, caches)
+        if config.kv_offload_path and disk_blocks:
+            meta = manifest(config.model, config.tokenizer or config.model, self.dtype,
+                            self.block_size, caches, self.tp.rank, self.tp.size)
+            self.host_tier.disk = KVDiskTier(config.kv_offload_path, disk_blocks, caches, meta)
+        self.kv_copier = KVCopier(self.host_tier, caches[0][0].device)
+
+    def start_kv_copies(self, sched: SchedulerOutput) -> None:
+        """Start a step's tier copies on the copy thread (``gpu/kv_copier.py``)."""
+        if sched.kv_copies and self.kv_copier is not None:
+            self.kv_copier.submit(sched.kv_copies, self.kv_caches)
+
+    def finish_kv_copies(self) -> None:
+        """Wait for them: the forward reads the blocks copied in, and overwrites those out."""
+        if self.kv_copier is not None:
+            self.kv_copier.wait()
+
+    def apply_kv_copies(self, copies: KVCopies) -> None:
+        """Run tier copies outside a step, to the end."""
+        if self.kv_copier is not None:
+            self.kv_copier.submit(copies, self.kv_caches)
+            self.kv_copier.wait()
+
+    def close_kv_tiers(self) -> None:
+        """Let the copies end and hand the disk file's rows to the OS."""
+        if self.kv_copier is not None:
+            self.kv_copier.shutdown()
+
+    def disk_index(self) -> tuple[int, dict[int, bytes]]:
+        """The disk tier's slots and the block hash each filled one holds (none: (0, {}))."""
+        disk = self.host_tier.disk if self.host_tier is not None else None
+        return (disk.num_blocks, disk.index()) if disk is not None else (0, {})
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton

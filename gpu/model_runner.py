@@ -27,7 +27,6 @@ from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.kv_cache_setup import KVCacheSetup
-from tidal.gpu.kv_host_tier import KVHostTier
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadedModel, LoadOptions, load_model, resolve_dtype
 from tidal.gpu.pipeline import pipeline_stage
@@ -38,7 +37,7 @@ from tidal.gpu.sampling_metadata import build_sampling_metadata
 from tidal.gpu.spec_step import spec_rows, write_drafts
 from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
-from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance
+from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
 from tidal.gpu.weight_shards import local_config
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,6 @@ class ModelRunner(KVCacheSetup):
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 config.device)
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        self.host_tier: KVHostTier | None = None  # --kv-offload-size's host blocks
         self.cuda_graphs: CudaGraphRunner | None = None
         self.profiler = StepProfiler()
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
@@ -136,6 +134,7 @@ class ModelRunner(KVCacheSetup):
         """Stop waiting to re-time plans (an upgrade already under way runs out)."""
         if self._upgrades is not None:
             self._upgrades.cancel()
+        self.close_kv_tiers()
 
     def plan_signature(self) -> str:
         """What the model's CPU plans depend on beyond the host: its shapes and settings."""
@@ -237,8 +236,7 @@ class ModelRunner(KVCacheSetup):
             if upgraded is not None:
                 self._swap_in(upgraded)
         self._update_states(sched)
-        if sched.kv_copies and self.host_tier is not None:
-            self.host_tier.apply(sched.kv_copies, self.kv_caches)
+        self.start_kv_copies(sched)  # on their own thread, while the inputs are prepared
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
         prompt_rows = plan_prompt_rows(self.batch, sched)  # before the inputs advance it
@@ -247,6 +245,7 @@ class ModelRunner(KVCacheSetup):
         prof.lap("prepare_inputs")
         if before_forward is not None:
             before_forward()  # laps its own phase
+        self.finish_kv_copies()  # the blocks this forward reads and overwrites are copied
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -322,7 +321,8 @@ class ModelRunner(KVCacheSetup):
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
         if in_flight:
-            self._fill_in_flight(input_ids_dev, layout, states)
+            fill_in_flight(input_ids_dev, layout, states, self._last_sampled, self._last_index,
+                           to_dev)
         num_tokens = sched.total_num_scheduled_tokens
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -365,7 +365,8 @@ class ModelRunner(KVCacheSetup):
             self.block_size, -(-max_seq // self.block_size))
         if in_flight:
             layout = TokenLayout.of(sched, np.asarray(computed, dtype=np.int64))
-            self._fill_in_flight(input_ids, layout, states)
+            fill_in_flight(input_ids, layout, states, self._last_sampled, self._last_index,
+                           self._to_device)
         n = len(states)
         meta = AttentionMetadata(
             num_actual_tokens=n, query_start_loc=cu, seq_lens=seq_lens, block_table=block_table,
@@ -378,16 +379,6 @@ class ModelRunner(KVCacheSetup):
                             else torch.tensor(sampling, dtype=torch.long)),
             sampling_states=states if every_request_samples else [states[i] for i in sampling],
         )
-
-    def _fill_in_flight(self, input_ids: torch.Tensor, layout: TokenLayout,
-                        states: list[CachedRequestState]) -> None:
-        """The input ids past the known tokens: sampled by the step in flight, they are still
-        on the device."""
-        known = np.array([s.num_tokens for s in states], dtype=np.int64)
-        unknown = np.nonzero(layout.positions >= layout.per_token(known))[0]
-        src = [self._last_index[states[r].req_id] for r in layout.request_of(unknown)]
-        to_dev = self._to_device
-        input_ids[to_dev(unknown)] = self._last_sampled[to_dev(np.asarray(src, dtype=np.int64))]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without a sync: staged in pinned memory and copied

@@ -24,6 +24,7 @@ import torch
 
 from tidal.core.config import EngineConfig
 from tidal.core.executor import Executor, ExecutorFailedError, StepResult
+from tidal.core.host_tier import KVCopies
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.model_config import ModelConfig
@@ -74,6 +75,12 @@ class MultiprocExecutor(Executor):
 
     def host_blocks(self) -> int:
         return self._call("host_blocks")
+
+    def disk_index(self) -> tuple[int, dict[int, bytes]]:
+        return self._call("disk_index")  # rank 0's: every rank writes the same slots
+
+    def apply_kv_copies(self, copies: KVCopies) -> None:
+        self._call("apply_kv_copies", copies)
 
     def execute_model_async(self, sched: SchedulerOutput,
                             before_forward: Callable[[], None] | None = None) -> StepResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,3 +73,15 @@ def advance(states: list[CachedRequestState], seq_lens: list[int],
         if seq_len >= known + state.num_pending:
             sampling.append(i)
     return sampling, in_flight
+
+
+def fill_in_flight(input_ids: torch.Tensor, layout: TokenLayout,
+                   states: list[CachedRequestState], last_sampled: torch.Tensor,
+                   last_index: dict[str, int],
+                   to_dev: Callable[[np.ndarray], torch.Tensor]) -> None:
+    """The input ids past the known tokens: sampled by the step in flight (``last_sampled``,
+    a request's row in ``last_index``), they are still on the device."""
+    known = np.array([s.num_tokens for s in states], dtype=np.int64)
+    unknown = np.nonzero(layout.positions >= layout.per_token(known))[0]
+    src = [last_index[states[r].req_id] for r in layout.request_of(unknown)]
+    input_ids[to_dev(unknown)] = last_sampled[to_dev(np.asarray(src, dtype=np.int64))]

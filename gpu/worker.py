@@ -87,6 +87,12 @@ class Worker:
     def host_blocks(self) -> int:
         return self.runner.host_tier.num_blocks if self.runner.host_tier else 0
 
+    def disk_index(self) -> tuple[int, dict[int, bytes]]:
+        return self.runner.disk_index()
+
+    def apply_kv_copies(self, copies: Any) -> None:
+        self.runner.apply_kv_copies(copies)
+
     def execute_model(self, sched: Any) -> Any:
         out = self.runner.execute_model_async(sched).result()
         if self.stage.size > 1 and not sched.is_empty:  # every stage ran a forward

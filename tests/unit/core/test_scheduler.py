@@ -8,6 +8,7 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.core.host_tier import HostTier, KVCopies
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams
@@ -55,14 +56,66 @@ workload = st.fixed_dictionaries({
     "caching": st.booleans(),
     "attention_cost_context": st.sampled_from([0, 1, 8, 64]),
     "clients": st.integers(1, 3),  # several: the fair share of batch slots preempts too
+    "host_blocks": st.sampled_from([0, 1, 3, 8]),  # the second tier (core/host_tier.py)
+    "disk_blocks": st.sampled_from([0, 1, 4, 16]),  # its disk part
+    "swap": st.booleans(),  # how preempted requests resume (core/swap_policy.py)
 })
+
+
+class FakeTiers:
+    """What each device block, host slot and disk slot holds, as the block hash its contents
+    are the KV of: a step's copies move them in the runner's order, and every block a step
+    reads must hold the hash of the prefix it stands for."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, bytes] = {}
+        self.host: dict[int, bytes] = {}
+        self.disk: dict[int, bytes] = {}
+
+    def run(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
+        self.apply(out.kv_copies)
+        self.forward(scheduler, out)
+
+    def apply(self, copies: KVCopies | None) -> None:
+        if copies is not None:
+            if copies.clear_disk:
+                self.disk.clear()
+            for host_slot, disk_slot, block_hash in copies.to_disk:
+                assert self.host[host_slot] == block_hash, "a stale host slot went to disk"
+                self.disk[disk_slot] = block_hash
+            for block, slot in copies.out:
+                self.host[slot] = self.device.get(block, b"")
+            for block, disk_slot, block_hash in copies.out_to_disk:
+                assert self.device.get(block) == block_hash, "a stale device block went to disk"
+                self.disk[disk_slot] = block_hash
+            for slot, block in copies.from_disk:
+                self.device[block] = self.disk[slot]
+            for slot, block in copies.into:
+                self.device[block] = self.host[slot]
+
+    def forward(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
+        kv = scheduler.kv
+        for write in (True, False):  # a forward writes its tokens' KV before attending
+            for req_id, n in out.num_scheduled_tokens.items():
+                request = scheduler.requests[req_id]
+                blocks, hashes = kv.block_ids(req_id), request.block_hashes
+                before = min((request.num_computed_tokens - n) // kv.block_size, len(hashes))
+                after = min(request.num_computed_tokens // kv.block_size, len(hashes))
+                for i in range(before, after) if write else ():
+                    self.device[blocks[i]] = hashes[i]
+                for i in () if write else range(before):  # read by the forward
+                    assert self.device.get(blocks[i]) == hashes[i], "a block read wrong KV"
 
 
 @settings(max_examples=60, deadline=None)
 @given(workload)
 def test_random_workload_finishes_everything_and_leaks_no_block(w):
     rng = random.Random(w["seed"])
-    kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"])
+    host = HostTier(w["host_blocks"], w["disk_blocks"]) if w["host_blocks"] else None
+    kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_caching=w["caching"],
+                        host_tier=host)
+    kv.swap_policy.swap = lambda *_: w["swap"]  # type: ignore[method-assign]
+    tiers = FakeTiers()
     config = SchedulerConfig(w["max_num_seqs"], w["budget"], max_model_len=64,
                              attention_cost_context=w["attention_cost_context"])
     scheduler = Scheduler(config, kv)
@@ -80,6 +133,7 @@ def test_random_workload_finishes_everything_and_leaks_no_block(w):
         assert out.total_num_scheduled_tokens <= w["budget"]
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
         assert len(scheduler.running) <= w["max_num_seqs"]
+        tiers.run(scheduler, out)
         return _fake_forward(scheduler, out, rng, 50)
 
     run_workload(scheduler, list(requests), rng, w["abort_rate"], forward)
@@ -91,6 +145,18 @@ def test_random_workload_finishes_everything_and_leaks_no_block(w):
     assert kv.pool.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv.req_blocks
+    if kv.host is not None:  # every slot of each tier is either free or holds one block
+        for table in (kv.host._host, kv.host.disk):
+            if table is not None:
+                held = list(table.slots.values())
+                assert len(set(held)) == len(held)
+                assert sorted(held + table.free) == list(range(table.num_slots))
+        assert not kv._host_hits and not kv._resume_method
+        # a shutdown leaves every block on disk as far as it holds them, each slot true
+        tiers.apply(kv.host.persist([(h, b.block_id) for h, b in kv.pool.cached.items()]))
+        if kv.host.disk is not None:
+            for block_hash, slot in kv.host.disk.slots.items():
+                assert tiers.disk[slot] == block_hash
 
 
 def _scheduler(num_blocks=16, block_size=4, budget=16, max_num_seqs=4, max_model_len=64):

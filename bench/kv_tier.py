@@ -1,0 +1,146 @@
+"""The KV cache's second tier (``--kv-offload-size``, ``--kv-offload-path``), offline on the
+benchmark Llama, two workloads:
+
+- chat: conversations taken in turn, one request at a time, each turn's prompt the whole
+  conversation so far; together they outgrow the device cache (``--kv-cache-blocks``), so a
+  returning turn finds its earlier turns evicted. Its TTFT (p50, p90) without the tier, with
+  the host tier, and with the host tier spilling to disk.
+- preemption: more concurrent requests with long outputs than the device cache holds, so they
+  preempt one another; output tokens/s when every resumption copies its blocks back (swap),
+  when every one recomputes them, and when the engine chooses by measurement.
+
+    python -m bench.kv_tier [--conversations 12] [--turns 4] [--kv-cache-blocks 64]
+
+Writes ``bench/results/kv_tier-<host>.json`` (``--name`` to change), the host's details in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import bench_model_dir, machine, random_prompts, write_result
+from tidal.core.llm import LLM
+from tidal.core.sampling_params import SamplingParams
+from tidal.gpu.model_config import ModelConfig
+
+
+def _block_bytes(model: str, device: str) -> int:
+    """A 16-token block's bytes in the default dtype (float32 on a CPU, bfloat16 on a GPU)."""
+    return 16 * ModelConfig.from_dir(Path(model)).kv_bytes_per_token(
+        4 if device == "cpu" else 2)
+
+
+def _engine(model: str, args: argparse.Namespace, **tiers: Any) -> LLM:
+    return LLM(model, device=args.device,
+               kv_cache_memory=args.kv_cache_blocks * _block_bytes(model, args.device), **tiers)
+
+
+def _p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return 1000 * values[min(len(values) - 1, int(q * len(values)))]
+
+
+def chat(model: str, args: argparse.Namespace, **tiers: Any) -> dict[str, Any]:
+    """Returning turns' TTFT (ms) over the conversations taken in turn."""
+    llm = _engine(model, args, **tiers)
+    turns = random_prompts(args.conversations * args.turns, args.turn_len, args.turn_len,
+                           vocab=llm.engine.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=args.reply_len, temperature=0.0, ignore_eos=True)
+    history: list[list[int]] = [[] for _ in range(args.conversations)]
+    llm.generate([3] * args.turn_len, params, use_tqdm=False)  # warm up, untimed
+    first, returning, cached = [], [], 0
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            prompt = history[c] + turns[turn * args.conversations + c]
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            (stats,) = out.finished_stats
+            ttft = stats.times.first_token - stats.times.arrival
+            (returning if turn else first).append(ttft)
+            cached += out.num_cached_tokens if turn else 0
+            history[c] = prompt + out.outputs[0].token_ids
+    stats = llm.engine.stats()
+    llm.shutdown()
+    return {"returning_ttft_p50_ms": _p(returning, 0.5), "returning_ttft_p90_ms":
+            _p(returning, 0.9), "first_turn_ttft_p50_ms": _p(first, 0.5),
+            "returning_cached_tokens": cached, "host_tier_hits": stats.host_tier_hits,
+            "disk_tier_hits": stats.disk_tier_hits}
+
+
+def preemption(model: str, args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """Output tokens/s of a batch that preempts itself, resuming by ``method``."""
+    llm = _engine(model, args, kv_offload_size=args.host_blocks * _block_bytes(model, args.device),
+                  max_num_seqs=args.concurrency)
+    if method != "measured":
+        llm.engine.kv.swap_policy.swap = lambda *_: method == "swap"
+    prompts = random_prompts(args.concurrency, args.prompt_len, args.prompt_len,
+                             vocab=llm.engine.vocab_size, seed=2)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = llm.engine.stats()
+    llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens_per_s": tokens / seconds, "seconds": seconds,
+            "preemptions": stats.num_preemptions, "resumptions": stats.resumptions_by_method,
+            "swapped_in_blocks": stats.host_tier_hits}
+
+
+def _host_name(info: dict[str, Any]) -> str:
+    name = info.get("gpu") or info.get("cpu_model") or info.get("device") or "host"
+    return re.sub(r"[^a-z0-9]+", "-", str(name).lower()).strip("-")[:40]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF model directory (default: the random "
+                    "~30M benchmark Llama)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kv-cache-blocks", type=int, default=64, help="device blocks (16 tokens)")
+    ap.add_argument("--host-blocks", type=int, default=512, help="host tier blocks")
+    ap.add_argument("--disk-blocks", type=int, default=2048, help="disk tier blocks")
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-len", type=int, default=96, help="user tokens a turn")
+    ap.add_argument("--reply-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--name", default=None, help="the result file's name (default: "
+                    "kv_tier-<host>)")
+    args = ap.parse_args(argv)
+    info = machine()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(bench_model_dir(Path(tmp) / "model"))
+        block = _block_bytes(model, args.device)
+        host = args.host_blocks * block
+        disk = dict(kv_offload_size=max(1, args.host_blocks // 32) * block,
+                    kv_offload_path=str(Path(tmp) / "kv"),
+                    kv_offload_disk_size=args.disk_blocks * (block + 32))
+        chats = {"no_tier": chat(model, args), "host": chat(model, args, kv_offload_size=host),
+                 "host_and_disk": chat(model, args, **disk)}
+        preempt = {m: preemption(model, args, m) for m in ("swap", "recompute", "measured")}
+    for name, run in chats.items():
+        print(f"chat {name:14s} returning-turn TTFT p50 {run['returning_ttft_p50_ms']:8.1f} ms  "
+              f"p90 {run['returning_ttft_p90_ms']:8.1f} ms")
+    for name, run in preempt.items():
+        print(f"preemption {name:10s} {run['output_tokens_per_s']:8.1f} output tok/s  "
+              f"({run['preemptions']} preemptions, resumptions {run['resumptions']})")
+    speedup = (chats["no_tier"]["returning_ttft_p50_ms"] or 0) / (
+        chats["host"]["returning_ttft_p50_ms"] or float("inf"))
+    result = {"settings": vars(args), "chat": chats, "preemption": preempt,
+              "returning_ttft_p50_no_tier_over_host": speedup,
+              "swap_over_recompute_tok_s": preempt["swap"]["output_tokens_per_s"]
+              / preempt["recompute"]["output_tokens_per_s"]}
+    print(write_result(args.name or f"kv_tier-{_host_name(info)}", result))
+
+
+if __name__ == "__main__":
+    main()
