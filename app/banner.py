@@ -69,7 +69,11 @@ def startup_banner(engine: AsyncEngine, settings: ServerSettings) -> str:
         f"  page      {url}/",
         f"  metrics   {url}/metrics",
     ]
-    if core.pooling is not None:  # --runner pooling (docs/embeddings.md)
+    if core.pooling is not None and core.pooling.is_classifier:  # a cross-encoder
+        lines.insert(3, f"  runner    pooling: a sequence classifier of "
+                        f"{len(core.pooling.labels)} label(s), last token through its head "
+                        "(/v1/score, /v1/rerank, /v1/classify)")
+    elif core.pooling is not None:  # --runner pooling (docs/embeddings.md)
         how = {"last": "last-token", "mean": "mean", "cls": "CLS"}[core.pooling.method]
         lines.insert(3, f"  runner    pooling: {how} pooling, "
                         f"{'normalised ' if core.pooling.normalize else ''}embeddings of "

@@ -71,6 +71,10 @@ def pooling_input(state: ServerState, prompt: str | list[int], param: str) -> li
 def prepare_embedding_request(body: dict[str, Any], state: ServerState) -> PreparedPooling:
     check_pooling_server(state)
     check_prompt_count(body.get("input"), state.settings.max_prompts_per_request)
+    if state.classifier_labels:
+        raise ApiError(400, "This model is a sequence classifier: it scores (/v1/score, "
+                            "/v1/rerank, /v1/classify) and makes no embeddings",
+                       code="not_an_embedding_model")
     req: EmbeddingRequest = validate_body(EmbeddingRequest, body)
     model = req.model or state.served_model_name
     check_model(model, state)

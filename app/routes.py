@@ -23,6 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from tidal.app.chat_completions import chat_completions
 from tidal.app.completions import completions
+from tidal.app.cross_encoder import classify
 from tidal.app.embeddings import embeddings
 from tidal.app.errors import ApiError
 from tidal.app.guard import RequestGuard
@@ -68,6 +69,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tracer: Any = None)
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),  # --runner pooling
             Route("/v1/score", score, methods=["POST"]),
+            Route("/v1/classify", classify, methods=["POST"]),
             Route("/v1/rerank", rerank, methods=["POST"]),
             Route("/v2/rerank", rerank, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),

@@ -227,17 +227,36 @@ class EmbeddingRequest(_Model):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, value: Any) -> list[str | list[int]]:
-        if isinstance(value, str) and value:
+        return pooling_inputs(value)
+
+
+class ClassifyRequest(_Model):
+    """vLLM's ``POST /v1/classify``: each ``input`` (as in embeddings) scored by a sequence
+    classifier."""
+
+    model: str | None = None
+    input: Any
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> list[str | list[int]]:
+        return pooling_inputs(value)
+
+
+def pooling_inputs(value: Any) -> list[str | list[int]]:
+    """An embeddings or classify ``input`` as a list of prompts (strings or token-id lists)."""
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
             return [value]
-        if isinstance(value, list) and value:
-            if all(_is_int(t) for t in value):
-                return [value]
-            if all(isinstance(p, str) and p for p in value):
-                return value
-            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
-                return value
-        raise ValueError("must be a non-empty string, a list of non-empty strings, a "
-                         "non-empty list of token ids, or a list of non-empty token-id lists")
+        if all(isinstance(p, str) and p for p in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+            return value
+    raise ValueError("must be a non-empty string, a list of non-empty strings, a "
+                     "non-empty list of token ids, or a list of non-empty token-id lists")
 
 
 class ScoreRequest(_Model):
@@ -254,7 +273,7 @@ class RerankRequest(_Model):
     to ``query``, the best ``top_n`` (0 or None: all)."""
 
     model: str | None = None
-    query: str
+    query: str = Field(min_length=1)
     documents: list[str] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True

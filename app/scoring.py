@@ -1,6 +1,8 @@
 """``POST /v1/score`` and ``POST /v1/rerank`` (vLLM's shapes; rerank also Jina's and
-Cohere's) on a pooling server: the cosine similarity of the pooled embeddings of each pair
-(vLLM's bi-encoder scoring; no cross-encoder head). Each distinct text is embedded once."""
+Cohere's) on a pooling server: for an embedding model, the cosine similarity of the pooled
+embeddings of each pair (vLLM's bi-encoder scoring; each distinct text embedded once); for a
+sequence classifier, each pair read as one sequence by the cross-encoder
+(app/cross_encoder.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
+from tidal.app.cross_encoder import pair_scores, prepare_pairs
 from tidal.app.embeddings import (
     PreparedPooling,
     admit,
@@ -64,6 +67,8 @@ def prepare_score_request(body: dict[str, Any], state: ServerState) -> PreparedP
     check_pooling_server(state)
     req: ScoreRequest = validate_body(ScoreRequest, body)
     pairs = score_pairs(req.text_1, req.text_2)
+    if state.classifier_labels:
+        return prepare_pairs(state, req.model, pairs, "text_2", "score", (req, pairs, None))
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     return _prepare(state, req.model, texts, "text_2", "score", (req, pairs, texts))
 
@@ -71,8 +76,11 @@ def prepare_score_request(body: dict[str, Any], state: ServerState) -> PreparedP
 def prepare_rerank_request(body: dict[str, Any], state: ServerState) -> PreparedPooling:
     check_pooling_server(state)
     req: RerankRequest = validate_body(RerankRequest, body)
+    pairs = [(req.query, doc) for doc in req.documents]
+    if state.classifier_labels:
+        return prepare_pairs(state, req.model, pairs, "documents", "rerank", (req, pairs, None))
     texts = list(dict.fromkeys([req.query, *req.documents]))
-    return _prepare(state, req.model, texts, "documents", "rerank", (req, texts))
+    return _prepare(state, req.model, texts, "documents", "rerank", (req, pairs, texts))
 
 
 async def score(request: Request) -> Any:
@@ -85,23 +93,30 @@ async def rerank(request: Request) -> Any:
     return admit(state, prep, lambda: _rerank_reply(state, prep))
 
 
-async def _score_reply(state: ServerState, prep: PreparedPooling) -> tuple[int, dict[str, Any]]:
+async def scores_of(state: ServerState, prep: PreparedPooling) -> list[float]:
+    """Each of the request's pairs' score: the cross-encoder's, or without one (no
+    ``texts`` in the body) the cosine of the two texts' embeddings."""
     _, pairs, texts = prep.body
+    if texts is None:
+        return await pair_scores(state, prep)
     by_text = dict(zip(texts, await embed_all(state, prep)))
-    data = [{"index": i, "object": "score", "score": cosine(by_text[a], by_text[b])}
-            for i, (a, b) in enumerate(pairs)]
+    return [cosine(by_text[a], by_text[b]) for a, b in pairs]
+
+
+async def _score_reply(state: ServerState, prep: PreparedPooling) -> tuple[int, dict[str, Any]]:
+    data = [{"index": i, "object": "score", "score": value}
+            for i, value in enumerate(await scores_of(state, prep))]
     return 200, {"id": prep.request_id, "object": "list", "created": int(time.time()),
                  "model": prep.model, "data": data, "usage": pooling_usage(prep)}
 
 
 async def _rerank_reply(state: ServerState, prep: PreparedPooling
                         ) -> tuple[int, dict[str, Any]]:
-    req, texts = prep.body
-    by_text = dict(zip(texts, await embed_all(state, prep)))
-    query = by_text[req.query]
-    results = [{"index": i, "relevance_score": cosine(query, by_text[doc]),
+    req = prep.body[0]
+    results = [{"index": i, "relevance_score": value,
                 **({"document": {"text": doc}} if req.return_documents else {})}
-               for i, doc in enumerate(req.documents)]
+               for i, (doc, value) in enumerate(zip(req.documents,
+                                                    await scores_of(state, prep)))]
     results.sort(key=lambda r: -r["relevance_score"])
     if req.top_n:
         results = results[:req.top_n]

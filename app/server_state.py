@@ -80,6 +80,9 @@ class ServerState:
     # the engine's configuration as plain values, for /get_server_info
     engine_config: dict[str, Any] = field(default_factory=dict)
     embedding_size: int = 0  # the width of a pooling model's embeddings (0: unknown)
+    # a sequence classifier's labels (a cross-encoder's scores, app/cross_encoder.py); ()
+    # for an embedding or generating model
+    classifier_labels: tuple[str, ...] = ()
     # the Responses API's stored responses, for ``previous_response_id`` and ``GET``; read on
     # the prepare threads, so made here rather than on first use
     responses: ResponseStore = field(init=False, repr=False)
@@ -110,7 +113,8 @@ class ServerState:
             kv_capacity_tokens=stats.num_total_blocks * core.config.block_size,
             max_num_seqs=core.config.max_num_seqs,
             engine_config=dataclasses.asdict(core.config),
-            embedding_size=getattr(core.executor.model_config, "hidden_size", 0))
+            embedding_size=getattr(core.executor.model_config, "hidden_size", 0),
+            classifier_labels=getattr(getattr(core, "pooling", None), "labels", ()))
 
     @functools.cached_property
     def admission(self) -> Admission:

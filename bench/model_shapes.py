@@ -53,6 +53,13 @@ BENCH_SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-6),
     # The CPU serving comparison's small Llama against vLLM and llama.cpp (27.7M parameters):
     # the default benchmark model's layers (bench.common.BENCH_LLAMA) with a 4,000-token vocab.
+    # The embeddings throughput target's model (bench/embeddings_throughput.py): Qwen3-0.6B's
+    # shape, the body of Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960,
+        rms_norm_eps=1e-6),
     "llama-28m": dict(
         model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, vocab_size=4000,
@@ -76,13 +83,15 @@ def shape_settings(name: str, tiny: bool = False) -> dict:
 
 
 def build_shaped_model_dir(path: str | Path, name: str, tiny: bool = False,
-                           dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """A model directory of shape ``name`` under ``path`` (reused if already built)."""
+                           dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                           **overrides: object) -> Path:
+    """A model directory of shape ``name`` under ``path`` (reused if already built), its
+    config's settings changed where ``overrides`` say (fewer layers, for a smoke run)."""
     path = Path(path)
     if all((path / f).is_file() for f in ("config.json", "tokenizer.json")):  # written last
         return path
     path.mkdir(parents=True, exist_ok=True)
-    settings = shape_settings(name, tiny)
+    settings = shape_settings(name, tiny) | overrides
     tokenizer = build_tokenizer(settings["vocab_size"])
     settings["vocab_size"] = max(settings["vocab_size"], len(tokenizer))
     model_type = settings.pop("model_type")

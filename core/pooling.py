@@ -4,8 +4,12 @@ sampled and no KV kept after it, whose final hidden states are pooled into one e
 How to pool comes from the model's sentence-transformers files (``modules.json`` and its
 ``Pooling`` module's ``config.json``): the last token, the mean of the tokens or the first
 (CLS) token; without them, the last token (Qwen3-Embedding's). Embeddings are L2-normalised,
-as vLLM's are by default. This module holds what the engine and the device share: the
-pooling method, read from plain JSON files, and the parameters of a pooling request.
+as vLLM's are by default. A sequence classifier (``*ForSequenceClassification``: a
+cross-encoder or LLM reranker) pools its last token through its ``score`` head instead, into
+the probabilities of its labels: the sigmoid of its one logit, or the softmax of several (as
+vLLM's and sentence-transformers' ``CrossEncoder`` do). This module holds what the engine and
+the device share: the pooling method, read from plain JSON files, and the parameters of a
+pooling request.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ _MODE_KEYS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mea
 class PoolingConfig:
     method: str = "last"  # one of POOLING_METHODS
     normalize: bool = True
+    labels: tuple[str, ...] = ()  # a sequence classifier's labels, by index; (): none
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the model scores its input (cross-encoder) rather than embedding it."""
+        return bool(self.labels)
 
     @property
     def needs_every_position(self) -> bool:
@@ -42,8 +52,12 @@ class PoolingConfig:
 
 def read_pooling_config(model: str | Path) -> PoolingConfig:
     """The pooling a model directory's sentence-transformers files ask for; last-token and
-    normalised without them (a GGUF file has none)."""
+    normalised without them (a GGUF file has none). A sequence classifier's: its last token
+    through its head."""
     root = Path(model)
+    labels = classifier_labels(root)
+    if labels:
+        return PoolingConfig(method="last", normalize=False, labels=labels)
     modules_file = root / "modules.json"
     if not root.is_dir() or not modules_file.is_file():
         return PoolingConfig()
@@ -61,6 +75,23 @@ def read_pooling_config(model: str | Path) -> PoolingConfig:
         logger.info("%s has no Normalize module; embeddings are normalised anyway, as vLLM's "
                     "are by default", modules_file)
     return PoolingConfig(method=method, normalize=True)
+
+
+def classifier_labels(root: Path) -> tuple[str, ...]:
+    """The labels of the sequence classifier in directory ``root`` (``id2label``'s values by
+    index, else ``LABEL_i``), or () where ``config.json`` names no such architecture."""
+    try:
+        raw = json.loads((root / "config.json").read_text())
+        arch = (raw.get("architectures") or [""])[0]
+    except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
+        return ()  # no readable config: the model loader says why, if it must
+    if not isinstance(arch, str) or not arch.endswith("ForSequenceClassification"):
+        return ()
+    id2label = raw.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(len(id2label)))
+    count = raw.get("num_labels", 2)
+    return tuple(f"LABEL_{i}" for i in range(count if isinstance(count, int) else 2))
 
 
 @dataclass

@@ -67,8 +67,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = fused_kernels_for(x, self.plan)
-        if kernels is not None and _takes(kernels, x):
-            return kernels.rms_norm(x, self.weight, self.eps)
+        if kernels is not None:
+            # a view the kernel does not take (Qwen3's per-head q/k norms, over the fused qkv
+            # output) is copied first: a copy and one pass beat torch's six ops
+            return kernels.rms_norm(x if _takes(kernels, x) else x.contiguous(), self.weight,
+                                    self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor,

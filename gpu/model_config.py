@@ -32,6 +32,13 @@ HEADLESS_ARCHITECTURES = {
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
 }
+# Cross-encoders and LLM rerankers (core/pooling.py): the causal model's body, and a ``score``
+# head [num_labels, hidden] (no bias) on the last token's final hidden state, no lm_head
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
 
 
 @dataclass
@@ -66,6 +73,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    num_labels: int = 0  # a sequence classifier's outputs (its ``score`` head); 0: none
 
     @classmethod
     def load(cls, model: str | Path) -> ModelConfig:
@@ -104,13 +112,15 @@ class ModelConfig:
         checked for range before anything is built from it (``gpu/model_checks.py``)."""
         architectures = raw.get("architectures") or ["?"]
         arch = architectures[0] if isinstance(architectures, list) else architectures
-        headless = arch in HEADLESS_ARCHITECTURES
+        num_labels = _num_labels(raw, source) if arch in CLASSIFIER_ARCHITECTURES else 0
+        headless = arch in HEADLESS_ARCHITECTURES or num_labels > 0
         if headless:
-            arch = HEADLESS_ARCHITECTURES[arch]
+            arch = {**HEADLESS_ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}[arch]
         if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+            pooled = sorted([*HEADLESS_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES])
             raise ValueError(f"unsupported architecture {arch!r}; supported: "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (and "
-                             f"{', '.join(sorted(HEADLESS_ARCHITECTURES))} for pooling)")
+                             f"{', '.join(pooled)} for pooling)")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         check_config_values(raw, source)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -140,6 +150,7 @@ class ModelConfig:
                 qkv_bias=qkv_bias or bool(raw.get("attention_bias", arch == GPT_OSS)),
                 qk_norm=qk_norm,
                 eos_token_ids=list(eos_token_ids),
+                num_labels=num_labels,
                 **_moe_settings(arch, raw, source),
             )
         except (TypeError, ValueError) as exc:
@@ -207,6 +218,16 @@ def _moe_settings(arch: str, raw: dict, source: str) -> dict:
         moe.update(norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                    mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
     return moe
+
+
+def _num_labels(raw: dict, source: str) -> int:
+    """A sequence classifier's number of labels: ``id2label``'s size, as transformers saves
+    it (``num_labels`` itself is not saved), else transformers' default of two."""
+    labels = raw.get("id2label")
+    count = len(labels) if isinstance(labels, dict) and labels else raw.get("num_labels", 2)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1 << 16:
+        raise ModelFileError(f"{source}: a classifier needs 1 to 65536 labels, got {count!r}")
+    return count
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> list[int]:

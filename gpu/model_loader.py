@@ -102,6 +102,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     quantization, dtype, device = options.quantization, options.dtype, options.device
     with torch.device("meta"), _uninitialized_layers():
         model = MODELS[cfg.architecture](cfg, options.backend, options.max_positions)
+        if cfg.num_labels:  # a sequence classifier's head, applied by the pooler
+            model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
     weights = checkpoint_layout(cfg.architecture, checkpoint_weights(model_dir))
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)

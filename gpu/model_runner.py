@@ -255,7 +255,7 @@ class ModelRunner(KVCacheSetup):
             return StepHandle(self.batch, [], [], None)
         if pool_plan is not None:
             prof.lap("forward")
-            return self.pooler.pool(pool_plan, hidden, self._to_device)
+            return self.pooler.pool(pool_plan, hidden, self._to_device, self.model)
         prompt_scores = (None if prompt_rows is None else
                          score_prompt_rows(prompt_rows, hidden, self.model.compute_logits,
                                            self._to_device))

@@ -4,7 +4,8 @@ states (the final norm's output) pooled per request into its embedding.
 A prompt may run in several chunks (chunked prefill), so what a request pools is gathered
 across steps: the sum of its rows for mean pooling, its first row for CLS, its last prompt
 row for last-token pooling. A request's embedding is handed out by the step that computes
-the last of its prompt; the scheduler then finishes it.
+the last of its prompt; the scheduler then finishes it. A sequence classifier's last-token
+pool goes on through its ``score`` head into its labels' probabilities.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from tidal.core.pooling import PoolingConfig
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -84,16 +86,21 @@ class Pooler:
         return plan
 
     def pool(self, plan: PoolPlan, hidden: torch.Tensor,
-             to_device: Callable[[np.ndarray], torch.Tensor]) -> PooledHandle:
+             to_device: Callable[[np.ndarray], torch.Tensor],
+             model: nn.Module | None = None) -> PooledHandle:
         """Add the step's ``hidden`` rows to the partial pools; the finished prompts'
-        embeddings, normalised if the config says so, in the returned handle."""
+        embeddings, normalised if the config says so, in the returned handle (a classifier's:
+        its labels' probabilities, from ``model``'s ``score`` head)."""
         if not plan.req_ids:
             return PooledHandle([], None)
         sums = torch.zeros(len(plan.req_ids), hidden.shape[-1], dtype=torch.float32,
                            device=hidden.device)
         if len(plan.rows):
             picked = hidden.index_select(0, to_device(plan.rows)).float()
-            sums.index_add_(0, to_device(plan.segments), picked)
+            if self.config.method == "mean":
+                sums.index_add_(0, to_device(plan.segments), picked)
+            else:  # a row a request at most: placed, not summed (a CPU index_add_ is slow)
+                sums.index_copy_(0, to_device(plan.segments), picked)
         finished_ids, finished = [], []
         for i, req_id in enumerate(plan.req_ids):
             earlier = None if plan.restarts[i] else self._partial.pop(req_id, None)
@@ -108,9 +115,21 @@ class Pooler:
         if not finished:
             return PooledHandle([], None)
         embeddings = torch.stack(finished)
+        if self.config.is_classifier:
+            head = getattr(model, "score", None)
+            if head is None:
+                raise ValueError("a sequence classifier's model has no score head")
+            return PooledHandle(finished_ids, label_probs(head(embeddings.to(hidden.dtype))))
         if self.config.normalize:
             embeddings = torch.nn.functional.normalize(embeddings, p=2.0, dim=-1)
         return PooledHandle(finished_ids, embeddings)
+
+
+def label_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``[n, num_labels]`` logits as probabilities, in float32: the sigmoid of a single
+    label's, else the softmax (vLLM's classify and sentence-transformers' defaults)."""
+    logits = logits.float()
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
 def _pooled_positions(method: str, start: int, end: int, done: bool) -> np.ndarray:

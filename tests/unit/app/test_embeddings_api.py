@@ -160,8 +160,11 @@ def test_each_runner_refuses_the_other_runners_routes(client: TestClient,
     chat = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                  "max_tokens": 2})
     assert chat.status_code == 400 and "--runner pooling" in chat.json()["error"]["message"]
+    classify = client.post("/v1/classify", json={"input": "hi"})  # an embedding model
+    assert classify.status_code == 400 and classify.json()["error"]["code"] == "not_a_classifier"
     with _client(model_dir, "generate") as generating:
         for path, body in (("/v1/embeddings", {"input": "hi"}),
+                           ("/v1/classify", {"input": "hi"}),
                            ("/v1/rerank", {"query": "a", "documents": ["b"]})):
             resp = generating.post(path, json=body)
             assert resp.status_code == 400
