@@ -29,6 +29,7 @@ from tidal.gpu.quantization.apply import (
     log_quantized,
     quantize_on_read,
 )
+from tidal.gpu.quantization.experts import ExpertCollector, leave_experts_unallocated
 from tidal.gpu.quantization.head import QuantHead, install_tied_head, quantize_head
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 from tidal.gpu.weight_shards import shard_weights
@@ -108,6 +109,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
     if quantization is not None:
+        leave_experts_unallocated(model)
+    if quantization is not None:
         weights = quantize_on_read(weights, quantization, options.group_size)
     if model.tp.size > 1:
         weights = shard_weights(weights, cfg, model.tp)
@@ -117,7 +120,7 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     model.tie_weights()
     _reset_rotary_tables(model, device)
     _load_weights(model, model.local_config, weights, dtype, str(model_dir),
-                  quantize_head_rows=quantization is not None)
+                  quantized=quantization is not None)
     if quantization is not None:
         log_quantized(model, quantization, options.group_size)
     return model.eval()
@@ -152,16 +155,22 @@ def _no_initialization(_layer: nn.Module) -> None:
 
 
 def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
-                  dtype: torch.dtype, source: str, quantize_head_rows: bool = False) -> None:
+                  dtype: torch.dtype, source: str, quantized: bool = False) -> None:
+    """``quantized`` (``--quantization``): the output head int8 per row, and the experts,
+    quantized as read, kept so (``gpu/quantization/experts.py``)."""
     params = dict(model.named_parameters())
     device = next(model.parameters()).device  # checkpoints are read on the CPU
     loaded: set[str] = set()
-    quantized: dict[str, dict[int, QuantizedWeight]] = {}  # target -> shards read so far
-    tied_head = quantize_head_rows and cfg.tie_word_embeddings
+    shards: dict[str, dict[int, QuantizedWeight]] = {}  # quantized target -> shards read so far
+    experts = ExpertCollector()
+    tied_head = quantized and cfg.tie_word_embeddings
     for name, value in weights:
         slot = expert_slot(name)  # a MoE's per-expert weight (gpu/moe_weights.py)
         if slot is not None and slot.target in params:
-            slot.copy_into(params[slot.target], value.to(device))
+            if quantized and isinstance(value, QuantizedWeight):
+                experts.take(slot, value.to(device))
+            else:
+                slot.copy_into(params[slot.target], value.to(device))
             loaded.add(slot.target)
             continue
         target, shard = _map_name(name)
@@ -174,13 +183,13 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
             install_tied_head(model, quantize_head(value), dtype)
             loaded.add(target)
             continue
-        if quantize_head_rows and target == "lm_head.weight":  # an untied head: int8 alone
+        if quantized and target == "lm_head.weight":  # an untied head: int8 alone
             model.lm_head = QuantHead(quantize_head(value), dtype)
             loaded.add(target)
             continue
         if isinstance(value, QuantizedWeight):
             if _takes_quantized(target):
-                quantized.setdefault(target, {})[0 if shard is None else shard] = value
+                shards.setdefault(target, {})[0 if shard is None else shard] = value
                 loaded.add(target)
                 continue
             value = value.dequantize()  # the embedding or output head: kept in the dtype
@@ -191,8 +200,9 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
             else:
                 _fused_slice(param, target, shard, cfg).copy_(value)
         loaded.add(target)
-    for target, shards in quantized.items():
-        _install_quantized(model, target, shards, dtype)
+    for target, parts in shards.items():
+        _install_quantized(model, target, parts, dtype)
+    experts.install(model, dtype)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = set(params) - loaded

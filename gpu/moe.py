@@ -28,6 +28,11 @@ Four ways compute the same thing:
 
 On the CPU the choice between grouped and gathered is timed per row bucket like every other op
 (``gpu/cpu/op_plans.py``); untimed, the grouped path runs.
+
+Quantized experts (``--quantization``, ``gpu/quantization/experts.py``) are one quantized
+linear per expert and projection: they take the grouped path on every device, each expert's
+GEMMs over its own rows in the quantized-linear kernels (on a GPU the Triton quantized GEMM,
+host-synced per step like any grouped step).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import nn
 
 from tidal.gpu import layers
 from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.layers import silu_and_mul
 
 GROUPED, GATHERED = "grouped", "gathered"
@@ -89,11 +95,24 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     return weights, ids
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+ExpertWeight = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a matrix, or a layer
+
+
+def expert_mlp(rows: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight,
                extras: ExpertExtras = PLAIN, expert: int = 0) -> torch.Tensor:
-    """One expert's gated MLP over ``rows`` ``[n, H]`` (``expert`` picks its biases)."""
+    """One expert's gated MLP over ``rows`` ``[n, H]`` (``expert`` picks its biases); each
+    weight a float matrix or a quantized expert's linear (``QuantLinear``, no bias of its own)."""
     gate_up_bias, down_bias = _biases(extras, expert)
-    return F.linear(extras.activation(F.linear(rows, gate_up, gate_up_bias)), down, down_bias)
+    hidden = extras.activation(_linear(rows, gate_up, gate_up_bias))
+    return _linear(hidden, down, down_bias)
+
+
+def _linear(rows: torch.Tensor, weight: ExpertWeight,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(rows, weight, bias)
+    y = weight(rows)
+    return y if bias is None else y + bias
 
 
 def _biases(extras: ExpertExtras,
@@ -131,11 +150,12 @@ def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
                 extras: ExpertExtras = PLAIN) -> torch.Tensor:
-    """The pairs sorted by expert, each expert's GEMMs over its own rows."""
+    """The pairs sorted by expert, each expert's GEMMs over its own rows. ``gate_up`` and
+    ``down``: the stacked matrices, or each expert's quantized linear (``QuantExperts``)."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair i of the sorted rows is pair order[i]
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x[order // top_k]
     sorted_out = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
@@ -153,9 +173,10 @@ def moe_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
                  extras: ExpertExtras = PLAIN) -> torch.Tensor:
     """Each pair's expert weights gathered, two batched matmuls; the grouped path where
-    there are more pairs than experts (the gathered copies would outweigh the weights)."""
+    there are more pairs than experts (the gathered copies would outweigh the weights), or
+    the experts are quantized (nothing to gather)."""
     tokens, top_k = ids.shape
-    if tokens * top_k > gate_up.shape[0]:
+    if tokens * top_k > len(gate_up) or not isinstance(gate_up, torch.Tensor):
         return moe_grouped(x, gate_up, down, weights, ids, routing, extras)
     flat = ids.reshape(-1)
     rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
@@ -229,6 +250,7 @@ class MoE(nn.Module):
         self.routing = routing
         self.activation = activation
         self.plan: Plan | None = None
+        self.tp = tensor_parallel()  # each rank holds a slice of every expert's intermediate
 
     def extras(self) -> ExpertExtras:
         if self.experts.gate_up_proj_bias is None and self.activation is silu_and_mul:
@@ -236,11 +258,19 @@ class MoE(nn.Module):
         return ExpertExtras(self.experts.gate_up_proj_bias, self.experts.down_proj_bias,
                             self.activation)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are quantized (``gpu/quantization/experts.py``): each expert's
+        two linears then run on the grouped path, on any device."""
+        return not isinstance(self.experts, Experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_on_triton(x) and self.extras() is PLAIN:
-            return self.run(x, moe_triton)
-        choice = self.plan.pick(x.shape[0]) if self.plan is not None else GROUPED
-        return self.run(x, PATHS[choice])
+        """The block's output; under tensor parallelism each rank's partial sum, all-reduced."""
+        if runs_on_triton(x) and self.extras() is PLAIN and not self.quantized:
+            return self.tp.all_reduce(self.run(x, moe_triton))
+        choice = (self.plan.pick(x.shape[0]) if self.plan is not None and not self.quantized
+                  else GROUPED)
+        return self.tp.all_reduce(self.run(x, PATHS[choice]))
 
     def run(self, x: torch.Tensor, path: MoePath) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.routing)

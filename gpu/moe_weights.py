@@ -15,8 +15,9 @@ gpt-oss's checkpoints hold its experts as HF does in memory, transposed and inte
 (MXFP4 checkpoints are read into the same form, ``gpu/checkpoints/mxfp4.py``).
 ``gpt_oss_layout`` puts them in the MoE block's ``[E, out, in]`` gate-then-up layout.
 
-Quantized expert weights (a GGUF's, a quantized checkpoint's) are dequantized: experts are kept
-in the model's dtype (``--quantization`` leaves them so too, ``gpu/quantization/apply.py``).
+Quantized expert weights (a GGUF's, a quantized checkpoint's) are dequantized into the model's
+dtype, except under ``--quantization``, which keeps every expert quantized
+(``gpu/quantization/experts.py``).
 """
 
 from __future__ import annotations
@@ -100,3 +101,34 @@ def gpt_oss_layout(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str,
         if part.startswith("experts.gate_up_proj"):
             value = torch.cat([value[:, 0::2], value[:, 1::2]], dim=1)
         yield f"{prefix}.{part.replace('router.', 'gate.')}", value.contiguous()
+
+
+# the fused form's stacked experts, or their biases (gpt-oss's)
+_FUSED_EXPERTS = re.compile(r"^(?:model\.)?layers\.\d+\.mlp\.experts\."
+                            r"(gate_up_proj|down_proj)(_bias)?$")
+
+
+def shard_experts(name: str, value: Weight, intermediate: int, rank: int) -> Weight | None:
+    """A tensor-parallel rank's part of an expert weight, every expert's intermediate split
+    alike (``intermediate``: each rank's share, this rank's from ``rank * intermediate``): the
+    gate and up rows, the down inputs; the down bias whole on rank 0 only (each rank's output
+    is a partial sum, all-reduced). None for any other weight."""
+    start = rank * intermediate
+    if match := _PER_EXPERT.match(name):
+        part = _PARTS[match.group(3)]
+        if part[0] == "down_proj":
+            return (value.narrow_cols(start, intermediate) if isinstance(value, QuantizedWeight)
+                    else value.narrow(1, start, intermediate))
+        return (value.narrow_rows(start, intermediate) if isinstance(value, QuantizedWeight)
+                else value.narrow(0, start, intermediate))
+    match = _FUSED_EXPERTS.match(name)
+    if match is None:
+        return None
+    stacked, bias = match.groups()  # stacked experts are float (quantized ones come apart)
+    if stacked == "down_proj":
+        if bias:
+            return value if rank == 0 else torch.zeros_like(value)
+        return value.narrow(2, start, intermediate)
+    gate, up = value.chunk(2, dim=1)  # [E, 2*I, H], or the bias's [E, 2*I]: gate half first
+    return torch.cat([gate.narrow(1, start, intermediate), up.narrow(1, start, intermediate)],
+                     dim=1)

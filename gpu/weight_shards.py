@@ -6,6 +6,11 @@ inputs (row-parallel: each rank's product is a partial sum, all-reduced once), a
 embedding and output head by vocabulary rows. Attention heads go to ranks in order with their
 KV heads; where there are fewer KV heads than ranks, ranks sharing a KV head each hold a copy.
 Quantized weights are cut the same way, at their group boundaries.
+
+A MoE block's router is whole on every rank (each routes alike); every expert's intermediate
+is split as the dense MLP's is: each rank holds its slice of every expert's gate and up rows
+and down inputs (``moe_weights.shard_experts``), and the block's output is all-reduced once.
+gpt-oss's attention sinks (one a head) go with their heads.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from tidal.gpu.distributed import TensorParallel
 from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.moe_weights import shard_experts
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -26,9 +32,6 @@ _VOCAB = ("embed_tokens", "lm_head")
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """``ValueError`` naming ``tensor_parallel_size`` where the model cannot be split so."""
-    if cfg.num_experts and size > 1:
-        raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models "
-                         f"({cfg.architecture}) are not split across ranks yet; use 1")
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -36,6 +39,8 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} KV heads (nor does it divide by them)")
     if cfg.intermediate_size % size:
         problems.append(f"an intermediate size of {cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % size:
+        problems.append(f"an expert intermediate size of {cfg.moe_intermediate_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
                          f"{' or '.join(problems)}")
@@ -49,7 +54,8 @@ def local_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     check_tensor_parallel(cfg, tp.size)
     return replace(cfg, num_heads=cfg.num_heads // tp.size,
                    num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
-                   intermediate_size=cfg.intermediate_size // tp.size)
+                   intermediate_size=cfg.intermediate_size // tp.size,
+                   moe_intermediate_size=cfg.moe_intermediate_size // tp.size)
 
 
 def shard_weights(weights: Iterable[tuple[str, Weight]], cfg: ModelConfig,
@@ -62,7 +68,15 @@ def shard_weights(weights: Iterable[tuple[str, Weight]], cfg: ModelConfig,
 def shard_weight(name: str, value: Weight, cfg: ModelConfig, tp: TensorParallel) -> Weight:
     parts = name.split(".")
     module = parts[-2] if len(parts) > 1 else ""
-    if tp.size == 1 or module not in _COLUMN + _ROW + _VOCAB:
+    if tp.size == 1:
+        return value
+    experts = shard_experts(name, value, cfg.moe_intermediate_size // tp.size, tp.rank)
+    if experts is not None:  # a MoE's experts: each expert's intermediate split alike
+        return experts
+    if parts[-1] == "sinks":  # gpt-oss's attention sinks: one a head
+        heads = cfg.num_heads // tp.size
+        return value.narrow(0, tp.rank * heads, heads)
+    if module not in _COLUMN + _ROW + _VOCAB:
         return value
     if module in _VOCAB:
         return _vocab_rows(value, tp)

@@ -113,12 +113,13 @@ def _plan_ops(model: nn.Module, dtype: torch.dtype, max_rows: int, max_seqs: int
             _attention_candidates(attn.backend, cfg, dtype, decode=False))
         attn.backend.decode_plan = plans["decode_attention"]
         attn.backend.prefill_plan = plans["prefill_attention"]
-    moe = [m for m in model.modules() if isinstance(m, MoE)]
-    if moe:  # every MoE layer of a model has the same shapes
+    # every MoE layer of a model has the same shapes; quantized experts take the grouped path
+    moe = [m for m in model.modules() if isinstance(m, MoE) and not m.quantized]
+    if moe:
         plans["moe"] = cache.get_or_choose(moe[0].plan_key(), rows, moe[0].candidates)
     for module in model.modules():
         if isinstance(module, MoE):
-            module.plan = plans["moe"]
+            module.plan = plans.get("moe")
         elif isinstance(module, RMSNorm):
             module.plan = plans["rms_norm"]
         elif isinstance(module, SiluAndMul):

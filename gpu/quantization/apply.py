@@ -1,8 +1,9 @@
 """Quantizing a float model's linears as they are read (``--quantization int8|int4``).
 
 The decoder layers' linears are quantized in the format asked for (attention's qkv and output
-projections, the MLP's gate/up and down projections), which hold nearly all of a model's weight
-bytes at any size that needs quantizing. The output head becomes int8 with one scale per row
+projections, the MLP's gate/up and down projections, a MoE block's experts', ``experts.py``;
+its router stays in the model's dtype), which hold nearly all of a model's weight bytes at any
+size that needs quantizing. The output head becomes int8 with one scale per row
 (``head.py``): finer, because its error lands directly on every logprob, and quantized at all
 because at batch 1 a small model's head is a large share of a step's bytes. An untied token
 embedding keeps the model's dtype (a row lookup, not a matmul: quantizing it saves memory and
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from tidal.core.config import QUANTIZATIONS
+from tidal.gpu.moe_weights import expert_slot
+from tidal.gpu.quantization.experts import quantize_experts_on_read
 from tidal.gpu.quantization.head import QuantEmbedding
 from tidal.gpu.quantization.linear import QuantLinear
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, quantize
@@ -56,17 +59,28 @@ def leave_unallocated(model: nn.Module) -> None:
 def quantize_on_read(weights: Iterable[tuple[str, Weight]], method: str, group_size: int = 32
                      ) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's weights with every float decoder-layer linear weight quantized as it
-    arrives (q, k and v apart: quantization is row by row, so fusing after is the same)."""
+    arrives (q, k and v apart: quantization is row by row, so fusing after is the same), the
+    experts' too, one expert at a time (``experts.py``)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {method!r}")
     for name, value in weights:
-        parts = name.split(".")
-        if (isinstance(value, torch.Tensor) and "layers" in parts and len(parts) >= 2
-                and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LINEARS
-                and "experts" not in parts):  # a MoE's experts stay in the model's dtype
+        experts = quantize_experts_on_read(name, value, method, group_size)
+        if experts is not None:  # a MoE's stacked experts, each expert's apart
+            yield from experts
+            continue
+        if isinstance(value, torch.Tensor) and _quantizable(name):
             value = quantize(value, method, group_size)
         yield name, value
+
+
+def _quantizable(name: str) -> bool:
+    """A decoder layer's linear weight, or one expert's (Mixtral's ``w1``/``w3``/``w2``)."""
+    parts = name.split(".")
+    if "layers" not in parts or len(parts) < 2 or parts[-1] != "weight":
+        return False
+    slot = expert_slot(name)
+    return parts[-2] in CHECKPOINT_LINEARS or (slot is not None and slot.expert is not None)
 
 
 def log_quantized(model: nn.Module, method: str, group_size: int) -> None:

@@ -1,11 +1,13 @@
 """The mixture-of-experts layer (``gpu/moe.py``): its grouped and gathered paths against a
 token-by-token loop, its routing and whole block against HF transformers' on the same weights,
 both checkpoint forms of the experts, the timed choice between the paths, and what refuses MoE
-models (tensor parallelism) or leaves them out (the one-call decode step)."""
+models (an expert width tensor parallelism cannot split) or leaves them out (the one-call
+decode step)."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,8 +154,9 @@ def test_config_reads_the_moe_layout(tmp_path):
     mixtral = ModelConfig.from_dir(build_model_dir(tmp_path / "m", "mixtral"))
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == mixtral.intermediate_size
     assert all(mixtral.is_moe_layer(i) for i in range(mixtral.num_layers))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_tensor_parallel(mixtral, 2)
+    check_tensor_parallel(mixtral, 2)  # each rank a slice of every expert
+    with pytest.raises(ValueError, match="expert intermediate size of 33"):
+        check_tensor_parallel(replace(qwen, moe_intermediate_size=33), 2)
 
 
 def test_timed_plan_reaches_every_moe_layer(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) give HF transformers' greedy tokens and
 logprobs on the same random weights: in batches of several requests under chunked prefill, and
-int8-quantized against HF running the same quantized weights dequantized."""
+int8- and int4-quantized (the experts too) against HF running the same quantized weights
+dequantized."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.device import TEST_DEVICE
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
-from tests.unit.gpu.test_quantized_fidelity import hf_twin
+from tests.unit.gpu.test_quantized_fidelity import FORMATS, hf_twin
 from tidal.gpu.moe import MoE
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.weights import quantize
 from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.gpu
@@ -54,11 +57,28 @@ def test_matches_hf_in_chunked_batches(name, tmp_path_factory):
     check_against_hf(_hf(path), llm, PROMPTS)
 
 
-def test_int8_matches_hf_on_the_dequantized_weights(tmp_path_factory):
-    """Attention and the dense layer's MLP int8, the router and experts kept in float32 (HF's
-    twin has the same: its experts are no ``nn.Linear``)."""
-    path = _model_dir("qwen3_moe", tmp_path_factory)
-    llm = fidelity_llm(path, quantization="int8")
+@pytest.mark.parametrize("name, fmt", [("qwen3_moe", "int8"), ("mixtral", "int4g32")])
+def test_quantized_matches_hf_on_the_dequantized_weights(name, fmt, tmp_path_factory):
+    """Attention, the dense layer's MLP and every expert quantized (the router kept in
+    float32): HF's twin runs the same weights dequantized, its experts' too."""
+    path = _model_dir(name, tmp_path_factory)
+    method, group = FORMATS[fmt]
+    llm = fidelity_llm(path, quantization=method, quantization_group_size=group)
     moe = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, MoE)]
-    assert moe and moe[0].experts.gate_up_proj.dtype == torch.float32
-    check_against_hf(hf_twin(path, "int8"), llm, PROMPTS, tol=2e-4)
+    assert moe and all(m.quantized for m in moe)
+    assert not any(isinstance(m.gate, QuantLinear) for m in moe)
+    check_against_hf(_hf_twin_with_experts(path, fmt), llm, PROMPTS, tol=2e-4)
+
+
+@torch.no_grad()
+def _hf_twin_with_experts(path: str, fmt: str):
+    """``hf_twin``, its experts' stacked matrices (no ``nn.Linear``) quantized expert by expert
+    and dequantized too."""
+    method, group = FORMATS[fmt]
+    hf = hf_twin(path, fmt)
+    for layer in hf.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        for stacked in ((experts.gate_up_proj, experts.down_proj) if experts else ()):
+            for matrix in stacked:
+                matrix.copy_(quantize(matrix.cpu(), method, group).dequantize().to(matrix))
+    return hf

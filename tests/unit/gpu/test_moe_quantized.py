@@ -1,0 +1,104 @@
+"""Quantized experts (``gpu/quantization/experts.py``): the MoE block over int8 and int4
+experts against the token loop on the same weights dequantized, and ``--quantization``'s
+loading: every expert quantized as the dense linears' quantizers give it, from both checkpoint
+forms, with no float experts kept beside them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.layers import clamped_swiglu
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import LoadOptions, read_model
+from tidal.gpu.moe import GATHERED, ExpertExtras, MoE, Routing, moe_reference, route
+from tidal.gpu.quantization.experts import QuantExperts, expert_bytes
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.weights import quantize
+from tidal.gpu.random_model import build_model_dir
+
+E, H, INTER = 8, 64, 32  # experts, hidden, expert intermediate (int4 groups of 32)
+
+
+def _quantized_block(method: str, bias: bool) -> tuple[MoE, torch.Tensor, torch.Tensor]:
+    """A block whose experts are ``method``, and its experts' weights dequantized, stacked."""
+    g = torch.Generator().manual_seed(0)
+    activation = (lambda rows: clamped_swiglu(rows, 1.0)) if bias else None
+    moe = MoE(H, INTER, E, Routing(2, not bias, softmax_after_topk=bias), bias=bias,
+              **({"activation": activation} if bias else {}))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    gate_up = [quantize(w, method) for w in moe.experts.gate_up_proj]
+    down = [quantize(w, method) for w in moe.experts.down_proj]
+    moe.experts = QuantExperts([QuantLinear(w) for w in gate_up], [QuantLinear(w) for w in down],
+                               moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias)
+    return (moe, torch.stack([w.dequantize() for w in gate_up]),
+            torch.stack([w.dequantize() for w in down]))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "gpt_oss"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_block_equals_the_token_loop_on_dequantized_weights(method, bias):
+    """Each expert's GEMMs through its ``QuantLinear`` over its own rows (experts no token
+    chose included), a gathered plan too (quantized experts take the grouped path)."""
+    moe, gate_up, down = _quantized_block(method, bias)
+    assert moe.quantized and not any(p.dim() == 3 for p in moe.parameters())
+    extras = ExpertExtras(moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias,
+                          moe.activation) if bias else moe.extras()
+    for tokens in (0, 1, 3, 40):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            weights, ids = route(moe.gate(x), moe.routing)
+            want = moe_reference(x, gate_up, down, weights, ids, moe.routing, extras)
+            moe.plan = None
+            torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+            moe.plan = Plan.always(GATHERED)
+            torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+
+
+def _options(**kw) -> LoadOptions:
+    return LoadOptions(get_attention_backend("torch", "cpu"), 128, torch.float32, "cpu", **kw)
+
+
+def _fused_copy(per_expert, hf, dest):
+    """``per_expert``'s directory with transformers 5's fused 3-D experts."""
+    shutil.copytree(per_expert, dest)
+    (dest / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+              str(dest / "model.safetensors"))
+    return dest
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_quantizes_every_expert_and_drops_the_float_ones(method, tmp_path):
+    """Both checkpoint forms give each expert's ``QuantLinear`` the quantizer's own output on
+    HF's weights; the experts hold no float weights, their bytes about a quarter of float32's
+    (int8; int4's values are a byte each until packed)."""
+    per_expert = build_model_dir(tmp_path / "per_expert", "mixtral")
+    hf = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float32)
+    fused = _fused_copy(per_expert, hf, tmp_path / "fused")
+    cfg = ModelConfig.from_dir(per_expert)
+    floats = read_model(per_expert, cfg, _options())
+    float_bytes = sum(expert_bytes(m) for m in floats.modules() if isinstance(m, MoE))
+    for path in (per_expert, fused):
+        model = read_model(path, cfg, _options(quantization=method))
+        blocks = [m for m in model.modules() if isinstance(m, MoE)]
+        assert len(blocks) == cfg.num_layers and all(m.quantized for m in blocks)
+        for layer, moe in enumerate(blocks):
+            assert list(moe.experts.parameters()) == []
+            hf_experts = hf.model.layers[layer].mlp.experts
+            for e in range(cfg.num_experts):
+                for ours, theirs in ((moe.experts.gate_up_proj[e], hf_experts.gate_up_proj[e]),
+                                     (moe.experts.down_proj[e], hf_experts.down_proj[e])):
+                    want = quantize(theirs.detach(), method)
+                    assert torch.equal(ours.weight_format.q, want.q)
+                    assert torch.equal(ours.weight_format.scales, want.scales)
+        quant_bytes = sum(expert_bytes(m) for m in blocks)
+        assert quant_bytes * (3.5 if method == "int8" else 3) < float_bytes
