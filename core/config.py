@@ -251,5 +251,5 @@ def _gguf_tokenizer(path: Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (TypeError, ValueError):
+    except TypeError:  # that config bug's; a damaged file's ValueError is the caller's to name
         return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
