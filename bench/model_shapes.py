@@ -127,13 +127,16 @@ def _save_shards(path: Path, shapes: dict[str, torch.Size],
         save_file({n: make(n, shapes[n]) for n in shards[0]}, str(path / "model.safetensors"),
                   metadata={"format": "pt"})
         return
-    weight_map = {}
+    weight_map, total = {}, 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: make(n, shapes[n]) for n in names}, str(path / file),
                   metadata={"format": "pt"})
         weight_map.update({n: file for n in names})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        total += sum(math.prod(shapes[n]) for n in names)
+    # the index as transformers writes it (its loader reads the metadata too)
+    index = {"metadata": {"total_size": total * 2}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, device: str,

@@ -5,10 +5,11 @@ once), each configuration in a fresh process. Prints and writes
 
 Two workloads:
 - ``repeating``: the benchmark Llama (~30M parameters, float32) with its attention and MLP
-  outputs scaled down, so its next token depends mostly on the current one and its greedy
-  output falls into cycles (as ``tests/unit/gpu/test_spec_decode.py``'s model does): text that
-  repeats itself, which is what proposals from earlier text predict. A random model cannot
-  copy its prompt the way a trained one edits code; this stands in for that.
+  outputs scaled down, so its next token depends mostly on the current one (as
+  ``tests/unit/gpu/test_spec_decode.py``'s model does). Each prompt is a random passage ``P``,
+  the model's own greedy continuation ``G`` of it, and ``P`` again: the reply then repeats
+  ``G``, text already in its prompt, as an edit of code or a quoted document repeats its
+  source. A random model cannot copy the way a trained one does; this stands in for that.
 - ``embedded``: the embedded default model on Tiny Shakespeare passages, each given twice, the
   second copy cut short: the model's own continuation decides how much is accepted.
 
@@ -53,9 +54,13 @@ def repeating_model(root: Path) -> Path:
     return path
 
 
-def prompts_for(workload: str, model: str, num: int) -> list[Any]:
+def prompts_for(workload: str, model: str, num: int, output_len: int) -> list[Any]:
     if workload == "repeating":
-        return random_prompts(num, 64, 128, 8192, seed=3)
+        passages = random_prompts(num, 64, 128, 8192, seed=3)
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            replies = pool.submit(continuations, model, passages, output_len).result()
+        return [p + g + p for p, g in zip(passages, replies)]
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     from transformers import AutoTokenizer
 
@@ -66,6 +71,15 @@ def prompts_for(workload: str, model: str, num: int) -> list[Any]:
         ids = tokenizer.encode(passage, add_special_tokens=False)[:96]
         out.append(ids + ids[:24])  # the passage, then its start again
     return out
+
+
+def continuations(model: str, prompts: list[Any], output_len: int) -> list[list[int]]:
+    """The model's greedy continuation of each prompt."""
+    from tidal.core import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", max_num_seqs=32)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--c1-requests", type=int, default=4)
     ap.add_argument("--c32-requests", type=int, default=64)
     ap.add_argument("--name", default="spec_decode")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32], choices=[1, 32])
     args = ap.parse_args(argv)
     from tidal.core.config import DEFAULT_MODEL
 
@@ -125,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
                      else str(DEFAULT_MODEL))
             print(workload, flush=True)
             result[workload] = {
-                f"c{c}": measure(model, prompts_for(workload, model, n), c, args.output_len)
-                for c, n in ((1, args.c1_requests), (32, args.c32_requests))}
+                f"c{c}": measure(model, prompts_for(workload, model, n, args.output_len), c,
+                                 args.output_len)
+                for c, n in ((1, args.c1_requests), (32, args.c32_requests))
+                if c in args.concurrency}
     result["load_after"] = list(os.getloadavg())
     print(write_result(args.name, result))
 
