@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -70,20 +71,25 @@ def _health(url: str) -> int:
 
 
 def test_serves_the_tokens_of_one_process(model):
+    with running_server(model, "--tensor-parallel-size", "2") as srv:
+        assert len(_workers(srv.proc.pid)) == 2
+        assert_serves_one_process_tokens(srv, model)
+
+
+def assert_serves_one_process_tokens(srv: Any, model: Path) -> None:
+    """The ``openai`` client and ``curl -N`` get the greedy tokens one process gives."""
     llm = LLM(str(model), dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with running_server(model, "--tensor-parallel-size", "2") as srv:
-        assert len(_workers(srv.proc.pid)) == 2
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        got = client.completions.create(model=str(model), prompt=PROMPTS, max_tokens=16,
-                                        temperature=0.0, extra_body={"ignore_eos": True})
-        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
-        body = json.dumps({"model": str(model), "prompt": PROMPTS[0], "max_tokens": 16,
-                           "temperature": 0, "ignore_eos": True, "stream": True})
-        events = sse_events(curl("-H", "Content-Type: application/json", "-d", body,
-                                 srv.url + "/v1/completions"))
-        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want[0]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    got = client.completions.create(model=str(model), prompt=PROMPTS, max_tokens=16,
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+    body = json.dumps({"model": str(model), "prompt": PROMPTS[0], "max_tokens": 16,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    events = sse_events(curl("-H", "Content-Type: application/json", "-d", body,
+                             srv.url + "/v1/completions"))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want[0]
 
 
 def _stream(url: str, model: Path, out: list[bytes]) -> None:
@@ -97,25 +103,31 @@ def test_a_killed_worker_ends_streams_with_an_error_and_the_server(model):
     with running_server(model, "--tensor-parallel-size", "2") as srv:
         workers = _workers(srv.proc.pid)
         assert len(workers) == 2
-        children = _children(srv.proc.pid)  # the workers and multiprocessing's helpers
-        out: list[bytes] = []
-        reader = threading.Thread(target=_stream, args=(srv.url, model, out))
-        reader.start()
-        time.sleep(3.0)  # the stream is under way
-        assert reader.is_alive(), f"the stream ended early: {out}"
-        os.kill(workers[1], signal.SIGKILL)
-        killed = time.monotonic()
-        while _health(srv.url) != 503:
-            assert time.monotonic() - killed < 2.0, "/health did not turn 503 within 2 s"
-            time.sleep(0.05)
-        reader.join(30)
-        events = sse_events(out[0])
-        assert events[-1] == b"[DONE]"
-        assert "error" in events[-2], events[-2]
-        assert any(e["choices"] for e in events[:-2] if "choices" in e), "no token came first"
-        assert srv.proc.wait(30) != 0, "the server should exit non-zero"
-        time.sleep(0.5)
-        assert not [p for p in children if _alive(p)], "a process outlived its server"
+        assert_a_killed_worker_fails_loudly(srv, model, workers[1])
+
+
+def assert_a_killed_worker_fails_loudly(srv: Any, model: Path, worker: int) -> None:
+    """``worker`` killed mid-stream: the stream ends with an error event and ``[DONE]``,
+    ``/health`` turns 503 within 2 s, the server exits non-zero and leaves no process."""
+    children = _children(srv.proc.pid)  # the workers and multiprocessing's helpers
+    out: list[bytes] = []
+    reader = threading.Thread(target=_stream, args=(srv.url, model, out))
+    reader.start()
+    time.sleep(3.0)  # the stream is under way
+    assert reader.is_alive(), f"the stream ended early: {out}"
+    os.kill(worker, signal.SIGKILL)
+    killed = time.monotonic()
+    while _health(srv.url) != 503:
+        assert time.monotonic() - killed < 2.0, "/health did not turn 503 within 2 s"
+        time.sleep(0.05)
+    reader.join(30)
+    events = sse_events(out[0])
+    assert events[-1] == b"[DONE]"
+    assert "error" in events[-2], events[-2]
+    assert any(e["choices"] for e in events[:-2] if "choices" in e), "no token came first"
+    assert srv.proc.wait(30) != 0, "the server should exit non-zero"
+    time.sleep(0.5)
+    assert not [p for p in children if _alive(p)], "a process outlived its server"
 
 
 def test_two_nodes_on_loopback_serve_the_tokens_of_one_process(model):
