@@ -73,6 +73,9 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         # told of each cached block about to be reused (the host tier keeps it)
         self.on_evict: Callable[[BlockHash, int], None] | None = None
+        # blocks freed since ``take_recently_freed`` (kept where a second tier asks for them:
+        # the step in flight may still use them, so a copy touching one waits for it)
+        self.recently_freed: set[int] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +119,13 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.recently_freed is not None:
+                    self.recently_freed.add(block.block_id)
+
+    def take_recently_freed(self) -> set[int]:
+        """The blocks freed since the last call (``recently_freed``), forgetting them."""
+        freed, self.recently_freed = self.recently_freed or set(), set()
+        return freed
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if not self.enable_caching or block.block_hash is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from tidal.core.host_tier import HostTier, TierHit
+from tidal.core.host_tier import HostTier, KVCopies, TierHit
 from tidal.core.request import Request, RequestStatus
 from tidal.core.swap_policy import SwapPolicy
 
@@ -37,6 +37,7 @@ class KVCacheManager:
         self._resume_method: dict[str, str] = {}
         if self.host is not None:
             self.pool.on_evict = self.host.store
+            self.pool.recently_freed = set()
 
     @property
     def num_blocks(self) -> int:
@@ -127,6 +128,19 @@ class KVCacheManager:
             room = min(room, (self.num_cached_blocks[request.request_id] + 1) * self.block_size - 1)
         self._room[request.request_id] = room
         return new_blocks
+
+    def take_copies(self) -> KVCopies | None:
+        """The second tier's copies for the step just scheduled (None: none). They run beside
+        the forward of the step in flight unless they touch a block freed since that step was
+        scheduled (a finished or preempted request's, which it may still read or write).
+        Called once a step, at the end of its scheduling."""
+        if self.host is None:
+            return None
+        copies = self.host.take_copies()
+        freed = self.pool.take_recently_freed()
+        if copies is not None:
+            copies.after_step = not freed.isdisjoint(copies.device_blocks())
+        return copies
 
     def has_room(self, request: Request, num_new_tokens: int) -> bool:
         """Whether ``request``'s blocks hold ``num_new_tokens`` more computed tokens with none

@@ -175,7 +175,7 @@ class Scheduler(BatchSharing, StepUpdates):
             finished_req_ids=self._finished_ids,
             preempted_req_ids={r.request_id for r in preempted},
             structured_req_ids=self._constrained_sampling(num_scheduled),
-            kv_copies=self.kv.host.take_copies() if self.kv.host is not None else None,
+            kv_copies=self.kv.take_copies(),
             scheduled_spec_decode_tokens=self._spec_tokens,
         )
         self._finished_ids = set()

@@ -56,4 +56,6 @@ class SwapPolicy:
             if blocks and per_block is None:
                 return True  # unmeasured: copy, which measures it
             copy += blocks * (per_block or 0.0)
+        # a disk block is read into host memory, then copied in from there (HostTier.load_hit)
+        copy += num_disk * (self.copy_per_block["host"].value or 0.0)
         return copy <= prefill * (num_host + num_disk) * block_size

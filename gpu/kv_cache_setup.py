@@ -144,9 +144,17 @@ class KVCacheSetup:
             self.kv_copier.submit(sched.kv_copies, self.kv_caches)
 
     def finish_kv_copies(self) -> None:
-        """Wait for them: the forward reads the blocks copied in, and overwrites those out."""
-        if self.kv_copier is not None:
-            self.kv_copier.wait()
+        """Make the forward wait for them: it reads the blocks copied in, and overwrites
+        those copied out. On a GPU its stream waits for the copy stream's; on the CPU each
+        layer waits for its own copies (``forward_caches``)."""
+        if self.kv_copier is not None and self.kv_copier.gate is None:
+            self.kv_copier.wait_issued()
+
+    @property
+    def forward_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The caches the forward reads (``KVCopier.forward_caches``)."""
+        copier = self.kv_copier
+        return self.kv_caches if copier is None else copier.forward_caches(self.kv_caches)
 
     def apply_kv_copies(self, copies: KVCopies) -> None:
         """Run tier copies outside a step, to the end."""

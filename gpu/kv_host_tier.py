@@ -1,10 +1,8 @@
 """The host tensors of the KV cache's second tier (``--kv-offload-size``; the bookkeeping is
 ``core/host_tier.py``): per layer, tensors shaped as the device cache's (keys and values, and an
 int8 cache's scales) with one row per host block, in pinned memory on a GPU; and behind them
-the disk file, if any (``gpu/kv_disk_tier.py``). A step's copies run before its forward (on the
-copy thread, ``gpu/kv_copier.py``): host slots to disk, the blocks leaving the device (for
-host memory, or for disk when no host slot was free), then those coming back from disk and
-from host memory."""
+the disk file, if any (``gpu/kv_disk_tier.py``). A step's copies run on the copy thread
+(``gpu/kv_copier.py``), in the order ``apply`` gives."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import torch
 
 from tidal.core.host_tier import KVCopies
 from tidal.gpu.kv_disk_tier import KVDiskTier
+from tidal.gpu.kv_layer_gate import LayerGate
 
 LayerCache = tuple[torch.Tensor, ...]
 
@@ -37,47 +36,85 @@ class KVHostTier:
         return size_bytes // per_block if per_block else 0
 
     def apply(self, copies: KVCopies, device_caches: list[LayerCache],
-              sync: Callable[[], None] = lambda: None) -> dict[str, tuple[int, float]]:
+              sync: Callable[[], None] = lambda: None,
+              issued: Callable[[], None] = lambda: None,
+              gate: LayerGate | None = None) -> dict[str, tuple[int, float]]:
         """Run a step's copies in order; returns the copies in, per tier, as (blocks,
-        seconds), ``sync`` (the copy stream's) ending each timing."""
-        if not device_caches:
-            return {}
+        seconds), ``sync`` (the copy stream's) ending each timing. ``issued`` is called once
+        every copy touching the device is issued, ``gate`` opened layer by layer as each
+        layer's are done (at the end when a block comes from disk straight to the device).
+
+        First the whole rows: host slots to disk, evicted device blocks straight to disk,
+        disk hits into host slots (promoted); then layer by layer the device blocks leaving
+        for the host and those coming back from it (a block leaves before the one coming
+        back into its device slot lands); last the disk hits with no host slot."""
         disk = self.disk
-        if disk is not None and copies.clear_disk:
-            disk.clear()
-        if disk is not None:
-            for host_slot, disk_slot, block_hash in copies.to_disk:
-                disk.write(disk_slot, block_hash, self.caches, host_slot)
-        on = device_caches[0][0].device
-        if copies.out:
-            device, host = _indices(copies.out)
-            device = device.to(on)
-            for dev_layer, host_layer in zip(device_caches, self.caches):
-                for dev, kept in zip(dev_layer, host_layer):
-                    kept[host] = dev[device].to("cpu")
-        if disk is not None:
-            for device_block, disk_slot, block_hash in copies.out_to_disk:
-                disk.write(disk_slot, block_hash, device_caches, device_block)
-        timing = {}
-        if disk is not None and copies.from_disk:
-            start = time.perf_counter()
-            for disk_slot, device_block in copies.from_disk:
-                disk.read(disk_slot, device_caches, device_block)
-            sync()
-            timing["disk"] = (len(copies.from_disk), time.perf_counter() - start)
+        timing: dict[str, tuple[int, float]] = {}
+        try:
+            if disk is not None:
+                self._rows(disk, copies, device_caches, timing)
+            into_seconds = self._layers(copies, device_caches, None if copies.from_disk
+                                        else gate)
+            if disk is not None and copies.from_disk:
+                start = time.perf_counter()
+                for disk_slot, device_block in copies.from_disk:
+                    disk.read(disk_slot, device_caches, device_block)
+                sync()
+                had = timing.get("disk", (0, 0.0))
+                timing["disk"] = (had[0] + len(copies.from_disk),
+                                  had[1] + time.perf_counter() - start)
+        except BaseException as e:
+            if gate is not None:
+                gate.open_all(e)
+            raise
+        if gate is not None:
+            gate.open_all()
+        issued()
         if copies.into:
             start = time.perf_counter()
-            host, device = _indices(copies.into)
-            device = device.to(on)
-            for dev_layer, host_layer in zip(device_caches, self.caches):
-                for dev, kept in zip(dev_layer, host_layer):
-                    dev[device] = kept[host].to(on, non_blocking=True)
             sync()
-            timing["host"] = (len(copies.into), time.perf_counter() - start)
+            timing["host"] = (len(copies.into), into_seconds + time.perf_counter() - start)
         return timing
 
+    def _rows(self, disk: KVDiskTier, copies: KVCopies, device_caches: list[LayerCache],
+              timing: dict[str, tuple[int, float]]) -> None:
+        """The copies of whole rows, before the layers'."""
+        if copies.clear_disk:
+            disk.clear()
+        for host_slot, disk_slot, block_hash in copies.to_disk:
+            disk.write(disk_slot, block_hash, self.caches, host_slot)
+        for device_block, disk_slot, block_hash in copies.out_to_disk:
+            disk.write(disk_slot, block_hash, device_caches, device_block)
+        if copies.promote:  # kept in host memory, then copied in from there
+            start = time.perf_counter()
+            for disk_slot, host_slot in copies.promote:
+                disk.read(disk_slot, self.caches, host_slot)
+            timing["disk"] = (len(copies.promote), time.perf_counter() - start)
 
-def _indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(self, copies: KVCopies, device_caches: list[LayerCache],
+                gate: LayerGate | None) -> float:
+        """The copies out of and into the device, layer by layer, opening ``gate``'s layers
+        as they are done; returns the seconds spent issuing the copies in."""
+        if not device_caches:
+            return 0.0
+        on = device_caches[0][0].device
+        out = [t.to(on) if i == 0 else t for i, t in enumerate(_indices(copies.out))]
+        into = [t.to(on) if i == 1 else t for i, t in enumerate(_indices(copies.into))]
+        into_seconds = 0.0
+        for layer, (dev_layer, host_layer) in enumerate(zip(device_caches, self.caches)):
+            for dev, kept in zip(dev_layer, host_layer):
+                if copies.out:
+                    kept[out[1]] = dev[out[0]].to("cpu")
+                if copies.into:
+                    start = time.perf_counter()
+                    dev[into[1]] = kept[into[0]].to(on, non_blocking=True)
+                    into_seconds += time.perf_counter() - start
+            if gate is not None:
+                gate.open(layer)
+        return into_seconds
+
+
+def _indices(pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The pairs' first and second elements as index tensors."""
-    return (torch.tensor([a for a, _ in pairs], dtype=torch.int64),
-            torch.tensor([b for _, b in pairs], dtype=torch.int64))
+    return [torch.tensor([a for a, _ in pairs], dtype=torch.int64),
+            torch.tensor([b for _, b in pairs], dtype=torch.int64)]

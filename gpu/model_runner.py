@@ -188,10 +188,10 @@ class ModelRunner(KVCacheSetup):
         """The step's final hidden states: from the CPU's one-call decode step where it takes
         the step, else from the model's forward."""
         if self.cpu is not None:
-            hidden = self.cpu.forward(input_ids, positions, self.kv_caches, meta)
+            hidden = self.cpu.forward(input_ids, positions, self.forward_caches, meta)
             if hidden is not None:
                 return hidden
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.forward_caches, meta)
 
     # -- one step -----------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -245,7 +245,7 @@ class ModelRunner(KVCacheSetup):
         prof.lap("prepare_inputs")
         if before_forward is not None:
             before_forward()  # laps its own phase
-        self.finish_kv_copies()  # the blocks this forward reads and overwrites are copied
+        self.finish_kv_copies()  # the blocks the forward reads and overwrites: copied
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs.meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)

@@ -21,7 +21,8 @@ def test_kv_tier_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     kv_tier.main(["--model", str(model), "--kv-cache-blocks", "6", "--host-blocks", "32",
                   "--disk-blocks", "64", "--conversations", "3", "--turns", "2",
                   "--turn-len", "40", "--reply-len", "2", "--concurrency", "3",
-                  "--prompt-len", "24", "--output-len", "24", "--name", "smoke"])
+                  "--preempt-kv-cache-blocks", "6", "--prompt-len", "24", "--output-len", "24",
+                  "--name", "smoke"])
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert result["machine"]["cpu_cores"]
     assert result["chat"]["no_tier"]["host_tier_hits"] == 0
@@ -30,3 +31,5 @@ def test_kv_tier_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for method in ("swap", "recompute"):
         run = result["preemption"][method]
         assert run["preemptions"] > 0 and run["resumptions"].get(method, 0) > 0
+    assert result["returning_ttft_p50_host_over_no_tier"] > 0  # both of the ratios
+    assert result["swap_over_recompute_tok_s"] > 0

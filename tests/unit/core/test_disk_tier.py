@@ -10,6 +10,7 @@ import pytest
 
 from tests.device import TEST_DEVICE
 from tidal.app.metrics import ServerMetrics
+from tidal.core.block_pool import hash_block_tokens
 from tidal.core.host_tier import HostTier, TierHit
 from tidal.core.llm import LLM
 from tidal.core.sampling_params import SamplingParams
@@ -46,11 +47,18 @@ def test_host_evictions_spill_to_disk_and_come_back_from_it():
     hit = tier.lookup(b"a")
     assert hit == TierHit("disk", 0) and tier.lookup(b"b") == TierHit("host", 0)
     tier.reserve([hit])
+    # a is promoted: read into the host slot (b leaving it for disk slot 1: slot 0 is read
+    # this step), then copied in from there; it stays on disk too
     tier.load_hit(hit, device_block=7)
-    tier.store(b"c", device_block=8)  # b goes to disk slot 1: slot 0 is read this step
+    tier.store(b"c", device_block=8)  # host and disk slots all busy this step: dropped
     copies = tier.take_copies()
-    assert copies.from_disk == [(0, 7)] and copies.to_disk == [(0, 1, b"b")]
-    assert tier.stats.disk_hits == 1 and tier.num_used_disk == 2
+    assert copies.to_disk == [(0, 1, b"b")] and copies.promote == [(0, 0)]
+    assert copies.into == [(0, 7)] and copies.from_disk == [] and copies.out == []
+    assert tier.stats.disk_hits == tier.stats.promoted == 1 and tier.stats.dropped == 1
+    assert tier.lookup(b"a") == TierHit("host", 0) and tier.lookup(b"b") == TierHit("disk", 1)
+    assert tier.num_used_disk == 2
+    tier.store(b"a", device_block=7)  # evicted from the device again: host holds it already
+    assert tier.take_copies() is None
     tier.clear()
     assert tier.take_copies().clear_disk and tier.lookup(b"a") is None
 
@@ -141,3 +149,53 @@ def test_a_preempted_request_resumes_alike_by_swap_and_by_recompute(tmp_path: Pa
         assert f"tidal:kv_swapped_in_blocks_total {stats.host_tier_hits}.0" in metrics
         for g, w in zip(got, want):
             _same_outputs(g.outputs[0], w.outputs[0])
+
+
+def _no_block_leaked(llm: LLM) -> None:
+    """Every device block free once nothing runs, every tier slot free or holding one block."""
+    kv = llm.engine.kv
+    assert not llm.engine.has_unfinished_requests()
+    assert kv.pool.num_free_blocks == kv.num_blocks
+    assert all(not b.ref_cnt for b in kv.pool.blocks)
+    assert kv.host.leaked_slots() == {"host": set(), "disk": set()}
+
+
+@pytest.mark.gpu
+def test_a_disk_hit_is_promoted_so_the_next_hit_is_a_host_hit(tmp_path: Path) -> None:
+    """A's blocks, left on disk by a first engine, are hit by a second one: read into host
+    memory on the way in, so once B and C have pushed them off the device again, A's next hit
+    finds them in host memory. Greedy tokens and logprobs equal A's cold prefill each time, and
+    no block is left held in any tier."""
+    path = build_model_dir(tmp_path / "llama", "llama")
+    tiers = dict(device=TEST_DEVICE, kv_cache_memory=_blocks(path, 8),
+                 kv_offload_size=_blocks(path, 8), kv_offload_path=str(tmp_path / "kv"),
+                 kv_offload_disk_size=_blocks(path, 40), max_num_seqs=1)
+    first = LLM(str(path), **tiers)
+    cold = first.generate(_prompt(1), GREEDY, use_tqdm=False)[0]
+    first.shutdown()  # A's blocks go to disk
+
+    llm = LLM(str(path), **tiers)
+    host = llm.engine.kv.host
+    assert host.num_used == 0 and host.num_used_disk > 0
+    from_disk = llm.generate(_prompt(1), GREEDY, use_tqdm=False)[0]
+    assert from_disk.num_cached_tokens == 32
+    assert host.stats.disk_hits == host.stats.promoted == 2 and host.stats.hits == 0
+    for seed in (2, 3):  # push A's blocks off the device
+        llm.generate(_prompt(seed), GREEDY, use_tqdm=False)
+    assert not any(llm.engine.kv.pool.get_cached_block(h) for h in _hashes(llm, _prompt(1)))
+    from_host = llm.generate(_prompt(1), GREEDY, use_tqdm=False)[0]
+    assert from_host.num_cached_tokens == 32
+    assert host.stats.hits == 2 and host.stats.disk_hits == 2, "the second hit: host memory"
+    _same_outputs(from_disk.outputs[0], cold.outputs[0])
+    _same_outputs(from_host.outputs[0], cold.outputs[0])
+    _no_block_leaked(llm)
+    llm.shutdown()
+
+
+def _hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
+    """The prefix-cache hashes of ``prompt``'s full blocks."""
+    hashes: list[bytes] = []
+    for i in range(len(prompt) // 16):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                        prompt[i * 16:(i + 1) * 16]))
+    return hashes

@@ -71,27 +71,33 @@ class FakeTiers:
         self.device: dict[int, bytes] = {}
         self.host: dict[int, bytes] = {}
         self.disk: dict[int, bytes] = {}
+        self.in_flight: set[int] = set()  # the device blocks the last step's forward used
 
     def run(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
         self.apply(out.kv_copies)
         self.forward(scheduler, out)
+        self.in_flight = {b for r in out.num_scheduled_tokens for b in scheduler.kv.block_ids(r)}
 
     def apply(self, copies: KVCopies | None) -> None:
         if copies is not None:
+            if not copies.after_step:  # run beside the step in flight: none of its blocks
+                assert copies.device_blocks().isdisjoint(self.in_flight)
             if copies.clear_disk:
                 self.disk.clear()
             for host_slot, disk_slot, block_hash in copies.to_disk:
                 assert self.host[host_slot] == block_hash, "a stale host slot went to disk"
                 self.disk[disk_slot] = block_hash
-            for block, slot in copies.out:
-                self.host[slot] = self.device.get(block, b"")
             for block, disk_slot, block_hash in copies.out_to_disk:
                 assert self.device.get(block) == block_hash, "a stale device block went to disk"
                 self.disk[disk_slot] = block_hash
-            for slot, block in copies.from_disk:
-                self.device[block] = self.disk[slot]
+            for disk_slot, host_slot in copies.promote:
+                self.host[host_slot] = self.disk[disk_slot]
+            for block, slot in copies.out:
+                self.host[slot] = self.device.get(block, b"")
             for slot, block in copies.into:
                 self.device[block] = self.host[slot]
+            for slot, block in copies.from_disk:
+                self.device[block] = self.disk[slot]
 
     def forward(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
         kv = scheduler.kv
@@ -152,6 +158,7 @@ def test_random_workload_finishes_everything_and_leaks_no_block(w):
                 assert len(set(held)) == len(held)
                 assert sorted(held + table.free) == list(range(table.num_slots))
         assert not kv._host_hits and not kv._resume_method
+        assert not any(kv.host.leaked_slots().values())
         # a shutdown leaves every block on disk as far as it holds them, each slot true
         tiers.apply(kv.host.persist([(h, b.block_id) for h, b in kv.pool.cached.items()]))
         if kv.host.disk is not None:
