@@ -11,6 +11,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,12 +112,15 @@ class EngineCore:
             async_scheduling=bool(config.async_scheduling),
             attention_cost_context=executor.attention_cost_context,
             policy=config.scheduling_policy,
-            speculative=config.speculative_config), self.kv, self.structured)
+            speculative=config.speculative_config,
+            micro_batches=executor.max_steps_in_flight), self.kv, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.profiler = StepProfiler()
         executor.profiler = self.profiler
         self._finished_elsewhere: list[Request] = []
         self._in_flight = None  # the launched step whose tokens are not processed yet
+        # with pipeline stages: the steps in flight, oldest first, and the requests each holds
+        self._pipe: deque[tuple[StepResult, list[str]]] = deque()
         # with a second tier: each step in flight's schedule and launch time (swap_policy)
         self._launches: dict[int, tuple[SchedulerOutput, float]] = {}
         # (deadline, tie-breaker, parent) of requests with a timeout: a heap, so a step looks
@@ -198,7 +202,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._finished_elsewhere)
-                or self._in_flight is not None or self.scheduler.has_finished_to_report())
+                or self._in_flight is not None or bool(self._pipe)
+                or self.scheduler.has_finished_to_report())
 
     # -- one step -----------------------------------------------------------------------
     def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -208,7 +213,7 @@ class EngineCore:
         processed, so the device computes while the host does the previous step's
         bookkeeping (the sampler counts tokens still on the device for penalties).
         ``before_forward`` runs when the step's inputs are ready, just before its forward (if
-        it has one).
+        it has one). With pipeline stages, see ``_through_pipe``.
         """
         prof = self.profiler
         prof.start()
@@ -217,7 +222,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self._finished_elsewhere += self.scheduler.take_grammar_failures()
         prof.lap("schedule")
-        if sched.is_empty and self._in_flight is None:
+        if sched.is_empty and self._in_flight is None and not self._pipe:
             self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
         early = self._fill_grammar_bitmask(sched)
         launched = time.perf_counter()
@@ -225,6 +230,8 @@ class EngineCore:
         prof.num_tokens += sched.total_num_scheduled_tokens
         if self.kv.host is not None and not sched.is_empty:
             self._launches[id(handle)] = (sched, launched)
+        if self.scheduler.config.micro_batches > 1:
+            return early + self._through_pipe(sched, handle)
         if self.config.async_scheduling:
             previous = self._in_flight
             self._in_flight = None if sched.is_empty else handle
@@ -234,6 +241,29 @@ class EngineCore:
         if speculator is not None and not sched.is_empty:
             speculator.observe_step(sched.total_num_scheduled_tokens,
                                     time.perf_counter() - launched)
+        return outputs
+
+    def _through_pipe(self, sched: SchedulerOutput, handle: StepResult) -> list[RequestOutput]:
+        """With N pipeline stages, up to N steps (micro-batches) are in flight, each of
+        requests no other holds (the scheduler skips those in ``in_flight``), so that every
+        stage computes at once: a step's tokens are processed once the pipe is full. An empty
+        step (nothing idle to run) finishes every step in flight, then itself."""
+        if sched.is_empty:
+            outputs = []
+            while self._pipe:
+                outputs += self._process_oldest()
+            return outputs + self._process(handle)
+        ids = list(sched.num_scheduled_tokens)
+        self.scheduler.in_flight.update(ids)
+        self._pipe.append((handle, ids))
+        if len(self._pipe) < self.scheduler.config.micro_batches:
+            return []
+        return self._process_oldest()
+
+    def _process_oldest(self) -> list[RequestOutput]:
+        handle, ids = self._pipe.popleft()
+        outputs = self._process(handle)
+        self.scheduler.in_flight.difference_update(ids)
         return outputs
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -44,6 +44,8 @@ class Executor(ABC):
     model_config: Any  # the architecture facts (gpu.model_config.ModelConfig)
     dtype_name: str  # the model's dtype, e.g. "float32"
     profiler: StepProfiler
+    # steps the engine keeps in flight, of disjoint requests: one per pipeline stage
+    max_steps_in_flight: int = 1
     # called from another thread when a worker fails between steps (a step in flight raises
     # ``ExecutorFailedError`` itself)
     on_failure: Callable[[BaseException], None] | None = None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.lifecycle import RateLimitedWarning
 from tidal.core.request import Request, RequestStatus
+from tidal.core.scheduler_in_flight import InFlight
 from tidal.core.scheduler_output import NewRequestData, SchedulerOutput
 from tidal.core.scheduler_sharing import BatchSharing, rank
 from tidal.core.scheduler_update import RequestUpdate, StepUpdates  # noqa: F401 - re-exported
@@ -53,9 +54,10 @@ class SchedulerConfig:
     # ``Request.priority`` first, preempting a running request it outranks for its place
     policy: str = "fcfs"
     speculative: SpeculativeConfig | None = None  # proposals for decoding requests
+    micro_batches: int = 1  # steps the engine keeps in flight, of disjoint requests (stages)
 
 
-class Scheduler(BatchSharing, StepUpdates):
+class Scheduler(BatchSharing, InFlight, StepUpdates):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  structured: StructuredOutputManager | None = None) -> None:
         self.config = config
@@ -66,6 +68,8 @@ class Scheduler(BatchSharing, StepUpdates):
         self.waiting: FairQueue | PriorityQueue = (PriorityQueue() if self.by_priority
                                                    else FairQueue())
         self.running: list[Request] = []
+        self.in_flight: set[str] = set()  # held by a step in flight (the engine keeps it)
+        self._batch_size = config.max_num_seqs  # the most requests this step (micro-batches)
         self.num_preemptions = 0
         # why: "kv_cache" (none left), "fair_share" (another client's slot), "priority"
         self.preemptions_by_reason: Counter[str] = Counter()
@@ -152,7 +156,7 @@ class Scheduler(BatchSharing, StepUpdates):
         self._spec_tokens = {}
         if self.speculator is not None:
             self.speculator.new_step()
-        share = self._fair_share()
+        share, self._batch_size = self._fair_share(), self._micro_batch_size()
         self._make_room_for_waiting_clients(share, preempted)
         if self.by_priority:
             self._make_room_for_priority(budget, preempted)
@@ -188,10 +192,10 @@ class Scheduler(BatchSharing, StepUpdates):
         budget lasts, preempting the latest arrivals where the KV cache runs out; returns the
         budget left."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < self._batch_size:
             request = self.running[i]
-            if allowed is not None and not allowed(request.client):
-                i += 1  # ahead of the client furthest behind: sits this step out
+            if not self._is_idle(request) or (allowed is not None and not allowed(request.client)):
+                i += 1  # in flight, or ahead of the client furthest behind: sits this step out
                 continue
             if request.num_output_placeholders:
                 wanted = self._num_new_tokens_in_flight(request)
@@ -266,21 +270,13 @@ class Scheduler(BatchSharing, StepUpdates):
             n -= 1
         return n, min(cost(n), budget)
 
-    @staticmethod
-    def _num_new_tokens_in_flight(request: Request) -> int:
-        """The tokens to run for a request with tokens still being sampled (async): those
-        count as known, unless the step in flight samples its last token."""
-        pending = request.num_output_placeholders
-        if request.num_output_tokens + pending >= request.max_output_tokens:
-            return 0
-        return request.num_tokens + pending - request.num_computed_tokens
-
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]):
         while True:
             new_blocks = self.kv.allocate_slots(request, n)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()  # the latest arrival among the running
+            victim = self._latest_idle() or request  # the latest arrival not in flight
+            self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
@@ -335,7 +331,8 @@ class Scheduler(BatchSharing, StepUpdates):
             return share is None or (counts[client] < share
                                      and (allowed is None or allowed(client)))
 
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < self._batch_size):
             request = self.waiting.first(below_share)
             if request is None:
                 break

@@ -25,21 +25,22 @@ class BatchSharing:
     waiting: FairQueue | PriorityQueue
     service: ServiceCounters
     _preempt: Callable[[Request, str], None]  # the scheduler's (the request, why)
+    _latest_idle: Callable[..., Request | None]  # core/scheduler_in_flight.py's
 
     def _make_room_for_priority(self, budget: int, preempted: list[Request]) -> None:
         """With the batch full, or too few free KV blocks for its first chunk (counted
         without prefix hits), the waiting request of the best priority preempts the running
         request of the worst (the latest arrival among equals) while it outranks it. The
         running list is kept in order of priority, so that one is the last."""
-        while self.waiting and self.running:
-            head, worst = self.waiting.peek(), self.running[-1]
+        while self.waiting and (worst := self._latest_idle()) is not None:
+            head = self.waiting.peek()  # ``worst``: the worst priority that is not in flight
             if head.priority >= worst.priority or head.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 return
             needed = self.kv.blocks_needed(min(head.num_tokens, budget))
             if (len(self.running) < self.config.max_num_seqs
                     and needed <= self.kv.pool.num_free_blocks):
                 return
-            self.running.pop()
+            self.running.remove(worst)
             self._preempt(worst, "priority")
             preempted.append(worst)
 
@@ -79,7 +80,9 @@ class BatchSharing:
             greedy, most = counts.most_common(1)[0]
             if most <= share:
                 return
-            victim = next(r for r in reversed(self.running) if r.client == greedy)
+            victim = self._latest_idle(greedy)
+            if victim is None:  # all of its requests are in flight (pipeline micro-batches)
+                return
             self.running.remove(victim)
             self._preempt(victim, "fair_share")
             preempted.append(victim)

@@ -4,9 +4,11 @@ every pipeline stage.
 Each call goes to rank 0 over a pipe (the step plan pickled: lists and numbers, no tensors),
 which hands it to every rank. Calls are answered in order, so a step can be launched before
 the previous one's tokens are read: the engine schedules step N+1 while the workers compute
-step N. A worker that dies or raises fails the call waiting on it, or (between steps) calls
-``on_failure``; the other workers are then stopped: nothing hangs and nothing is left
-running.
+step N. With N pipeline stages a step is answered only once N - 1 later steps are sent
+(``gpu/pipeline_rounds.py``): the engine keeps N in flight (``max_steps_in_flight``), and
+waiting on a step with fewer behind it first sends a ``drain``. A worker that dies or raises
+fails the call waiting on it, or (between steps) calls ``on_failure``; the other workers are
+then stopped: nothing hangs and nothing is left running.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tidal.core.step_profiler import StepProfiler
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.pipeline import check_pipeline_parallel
 from tidal.gpu.weight_shards import check_tensor_parallel
-from tidal.gpu.worker import SHUTDOWN, WorkerArgs, worker_main
+from tidal.gpu.worker import DRAIN, SHUTDOWN, WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
@@ -47,6 +49,8 @@ class MultiprocExecutor(Executor):
         self._lock = threading.Lock()  # one caller of the pipe at a time
         self._sent = self._received = 0  # calls sent to rank 0, answers read
         self._answers: dict[int, Any] = {}
+        self.max_steps_in_flight = config.pipeline_parallel_size
+        self._pipe = _StepsSent(self.max_steps_in_flight)
         self._failed: BaseException | None = None
         self._stopping = False
         self.workers, self._conn = self._start_workers(config)
@@ -103,7 +107,15 @@ class MultiprocExecutor(Executor):
             except OSError as exc:
                 self._fail(ExecutorFailedError(f"rank 0 is gone: {exc!r}"))
             self._sent += 1
+            self._pipe.sent(self._sent, method == "execute_model" and not args[0].is_empty)
             return self._sent
+
+    def _step_answer(self, seq: int) -> ModelRunnerOutput:
+        """Step ``seq``'s tokens; with stages, a ``drain`` first where too few steps were
+        sent after it to push it out of the pipe (its answer is read and dropped)."""
+        if not self._pipe.answerable(seq):
+            self._pipe.dropped.add(self._send(DRAIN))
+        return self._answer(seq)
 
     def _answer(self, seq: int) -> Any:
         """Call ``seq``'s answer, reading the answers before it first (kept for their
@@ -112,7 +124,11 @@ class MultiprocExecutor(Executor):
             while seq not in self._answers:
                 self._raise_if_failed()
                 self._received += 1
-                self._answers[self._received] = self._read()
+                answer = self._read()
+                if answer[0] == "ok" and self._received in self._pipe.dropped:
+                    self._pipe.dropped.discard(self._received)  # a drain's
+                else:
+                    self._answers[self._received] = answer
             status, value = self._answers.pop(seq)
         if status != "ok":
             self._fail(ExecutorFailedError(f"a worker failed: {value}"))
@@ -175,7 +191,30 @@ class _RemoteStep:
         self._executor, self._seq = executor, seq
 
     def result(self) -> ModelRunnerOutput:
-        return self._executor._answer(self._seq)
+        return self._executor._step_answer(self._seq)
+
+
+class _StepsSent:
+    """Which calls rank 0 will answer without more calls: with ``depth`` stages, a step with
+    work is answered once ``depth - 1`` more are sent, and any other call pushes out every
+    step before it."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.flushed = 0  # every call up to this one will be answered
+        self.steps: list[int] = []  # the steps with work sent since
+        self.dropped: set[int] = set()  # drains: their answers are read and dropped
+
+    def sent(self, seq: int, is_step: bool) -> None:
+        if not is_step or self.depth == 1:
+            self.flushed, self.steps = seq, []
+            return
+        self.steps.append(seq)
+        if len(self.steps) >= self.depth:
+            self.flushed = self.steps.pop(0)
+
+    def answerable(self, seq: int) -> bool:
+        return seq <= self.flushed
 
 
 def start_workers(config: EngineConfig, with_pipe: bool

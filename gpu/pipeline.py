@@ -8,16 +8,18 @@ holding every layer.
 
 Per step, a stage before the last sends its residual stream and the last layer's output still
 to be added to it (``[tokens, hidden]`` each) to the same tensor-parallel rank of the next
-stage, point to point; the last stage samples, and its first rank's ``ModelRunnerOutput`` is
-broadcast to every rank, so that each stage's persistent batch learns the tokens (the first
-stage embeds them next) and rank 0 answers the engine as it does without stages.
+stage, point to point and without waiting for it to be received (the stage goes on to the next
+micro-batch, ``gpu/pipeline_rounds.py``); the last stage samples, and its first rank's
+``ModelRunnerOutput`` is broadcast to every rank, so that each stage's persistent batch learns
+the tokens (the first stage embeds them next) and rank 0 answers the engine as it does without
+stages.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,6 +40,8 @@ class PipelineStage:
     rank: int = 0  # this process's global rank
     ranks_per_stage: int = 1  # the tensor-parallel size: the next stage's peer is rank + this
     cpu_group: Any = None  # every rank's gloo group (the sampled tokens' broadcast)
+    # the sends under way (works and their tensors), kept until ``take_sends``
+    sends: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -77,12 +81,19 @@ class PipelineStage:
         return x, delta
 
     def send(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Pass the residual stream and the pending output on to the next stage; returns
-        ``x`` (a stage before the last has no final hidden states)."""
+        """Start passing the residual stream and the pending output on to the next stage,
+        which receives them when it runs this step (``take_sends`` has the works to wait
+        on); returns ``x`` (a stage before the last has no final hidden states)."""
         dst = self.rank + self.ranks_per_stage
-        dist.send(x.contiguous(), dst)
-        dist.send(delta.contiguous(), dst)
+        for t in (x.contiguous(), delta.contiguous()):
+            self.sends.append((dist.isend(t, dst), t))
         return x
+
+    def take_sends(self) -> list[Any]:
+        """The sends started since the last call (their works, and the tensors they read)."""
+        sends = list(self.sends)
+        self.sends.clear()
+        return sends
 
     # -- the sampled tokens ---------------------------------------------------------------
     def share_output(self, out: ModelRunnerOutput | None) -> ModelRunnerOutput:
@@ -119,11 +130,14 @@ def stage_weights(weights: Iterable[tuple[str, Weight]],
 
 def take_tokens(batch: InputBatch, out: ModelRunnerOutput) -> None:
     """On a stage before the last: the tokens the last stage sampled, into this stage's
-    persistent batch (the first stage's next inputs)."""
-    states = [batch.states[r] for r in out.req_ids]
-    for state in states:
+    persistent batch (the first stage's next inputs). A request that finished (was aborted)
+    while its step was in flight may have left this stage's batch already: its token is
+    dropped, as the engine drops it."""
+    kept = [(batch.states[r], t) for r, t in zip(out.req_ids, out.sampled_token_ids)
+            if r in batch.states]
+    for state, _ in kept:
         state.num_pending += 1  # as the sampling stage's runner counts them
-    batch.append_tokens(states, out.sampled_token_ids)
+    batch.append_tokens([s for s, _ in kept], [t for _, t in kept])
 
 
 def check_pipeline_parallel(cfg: ModelConfig, size: int, quantization: str | None = None,

@@ -3,9 +3,11 @@ one rank of a tensor-parallel group, or of a pipeline stage's group (``worker_ma
 
 Rank 0 takes each call from the engine over a pipe and broadcasts it to the other ranks (a
 gloo group, so ranks on other machines get it too); every rank runs it on its shard of the
-model, and rank 0 answers. With pipeline stages every stage runs the same step plan on its
-layers, and the last stage's sampled tokens reach every rank (``gpu/pipeline.py``), rank 0
-included. A worker dies with its server: it never outlives it.
+model, and rank 0 answers, in the calls' order. With pipeline stages every stage runs the same
+step plans on its layers, several steps in flight at once (``gpu/pipeline_rounds.py``), and
+the last stage's sampled tokens reach every rank (``gpu/pipeline.py``), rank 0 included: a
+call may be answered with the answers of older steps before its own. A worker dies with its
+server: it never outlives it.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from tidal.gpu.model_checks import check_against_checkpoint, fit_context
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import resolve_dtype
 from tidal.gpu.model_runner import ModelRunner
-from tidal.gpu.pipeline import pipeline_stage, take_tokens
+from tidal.gpu.pipeline import pipeline_stage
+from tidal.gpu.pipeline_rounds import StepRounds
 
 logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"
+DRAIN = "drain"  # finish every step in the pipe (the executor waits on the oldest)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,6 +68,20 @@ class Worker:
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
         self.runner, self.tp, self.stage = runner, tp, pipeline_stage()
+        self.rounds = StepRounds(runner, self.stage) if self.stage.size > 1 else None
+
+    def answer(self, method: str, args: tuple) -> list[Any]:
+        """The answers a call brings: with stages, a step with work enters the pipe and
+        brings those of the steps it pushed out (maybe none); anything else first drains it."""
+        rounds = self.rounds
+        if rounds is None:
+            return [getattr(self, method)(*args)]
+        if method == "execute_model" and not args[0].is_empty:
+            return rounds.step(args[0])
+        return [*rounds.drain(), getattr(self, method)(*args)]
+
+    def drain(self) -> None:
+        """The executor's ``DRAIN``: ``answer`` emptied the pipe before this; nothing is left."""
 
     def describe(self) -> dict[str, Any]:
         r = self.runner
@@ -94,12 +112,9 @@ class Worker:
         self.runner.apply_kv_copies(copies)
 
     def execute_model(self, sched: Any) -> Any:
-        out = self.runner.execute_model_async(sched).result()
-        if self.stage.size > 1 and not sched.is_empty:  # every stage ran a forward
-            out = self.stage.share_output(out)
-            if not self.stage.is_last:
-                take_tokens(self.runner.batch, out)
-        return out
+        """A step without stages; with stages, an empty one (only its plan's removals and
+        copies), which every stage runs once the pipe is drained."""
+        return self.runner.execute_model_async(sched).result()
 
     def kernel_summary(self) -> str:
         return self.runner.kernel_summary()
@@ -141,9 +156,9 @@ def _serve_calls(worker: Worker, conn: Connection | None) -> None:
         method, call_args = tp.broadcast_object(call)
         if method == SHUTDOWN:
             return
-        result = getattr(worker, method)(*call_args)
-        if conn is not None:
-            conn.send(("ok", result))
+        for result in worker.answer(method, call_args):
+            if conn is not None:
+                conn.send(("ok", result))
 
 
 def _die_with_parent() -> None:

@@ -1,8 +1,9 @@
 """The Ray executor (``distributed_executor_backend="ray"``) on one local Ray instance of two
-CPUs: two rank actors give the multiprocess executor's greedy tokens and logprobs under
-chunked prefill and async scheduling (steps launched before the previous one's tokens are
-read); a killed actor fails the engine loudly; shutdown leaves no actor, placement group or
-process behind; and without Ray installed, asking for it names the extra to install."""
+CPUs: two rank actors (tensor-parallel ranks, or two pipeline stages with a micro-batch each in
+flight) give the multiprocess executor's greedy tokens and logprobs under chunked prefill and
+async scheduling (steps launched before the previous one's tokens are read); a killed actor
+fails the engine loudly; shutdown leaves no actor, placement group or process behind; and
+without Ray installed, asking for it names the extra to install."""
 
 from __future__ import annotations
 
@@ -68,18 +69,25 @@ def _assert_nothing_left(ray: Any, pids: list[int]) -> None:
 
 
 def test_ray_ranks_give_the_multiprocess_tokens(ray_session, model):
+    """Two tensor-parallel ranks, then two pipeline stages with a micro-batch each in
+    flight, as actors: the multiprocess executor's tokens."""
     prompts = reference_prompts(5)[:5]
     outputs = {}
-    for backend in ("mp", "ray"):
-        llm = LLM(str(model), distributed_executor_backend=backend, **ENGINE)
+    stages = {**ENGINE, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    for name, backend, args in (("mp", "mp", ENGINE), ("ray", "ray", ENGINE),
+                                ("ray stages", "ray", stages)):
+        llm = LLM(str(model), distributed_executor_backend=backend, **args)
         try:
-            outputs[backend] = llm.generate(prompts, GREEDY, use_tqdm=False)
+            outputs[name] = llm.generate(prompts, GREEDY, use_tqdm=False)
         finally:
             llm.shutdown()
-    ranks = llm.engine.executor.workers
-    assert [h.rank for h in ranks] == [0, 1]
-    _assert_nothing_left(ray_session, [h.pid for h in ranks])
-    for want, got in zip(outputs["mp"], outputs["ray"]):
+        if backend == "ray":
+            ranks = llm.engine.executor.workers
+            assert [h.rank for h in ranks] == [0, 1]
+            _assert_nothing_left(ray_session, [h.pid for h in ranks])
+    assert llm.engine.executor.max_steps_in_flight == 2
+    for want, got in [*zip(outputs["mp"], outputs["ray"]),
+                      *zip(outputs["mp"], outputs["ray stages"])]:
         a, b = want.outputs[0], got.outputs[0]
         assert b.token_ids == a.token_ids
         for ref_lp, got_lp in zip(a.logprobs, b.logprobs):
