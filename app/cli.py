@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"prompt_lookup_max\": 5}' proposes up to 4 tokens a step from the "
                         "prompt and output so far, verified by the model in the same step; "
                         "'{\"method\": \"suffix\"}' also from recent requests' outputs "
-                        "(turns async scheduling off; docs/speculative-decoding.md)")
+                        "(with async scheduling, only in the steps where it is measured to "
+                        "pay; docs/speculative-decoding.md)")
     engine.add_argument("--request-timeout", type=_positive_seconds, default=None,
                         metavar="SECONDS", help="abort a request still waiting or running this "
                         "long after it arrived (finish_reason 'abort'); a request's own "

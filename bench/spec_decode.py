@@ -14,6 +14,7 @@ Two workloads:
   second copy cut short: the model's own continuation decides how much is accepted.
 
     python -m bench.spec_decode [--output-len 128] [--workloads repeating embedded]
+        [--async-scheduling] [--methods ngram suffix suffix-16-f2 ...]
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
               "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+}
+# longer proposals where the match is long, for the copy workload (``--methods``)
+EXTRA_METHODS: dict[str, dict[str, Any]] = {
+    "ngram-long": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 2,
+                   "prompt_lookup_max": 8},
+    "suffix-16": {"method": "suffix", "num_speculative_tokens": 16},
+    "suffix-16-f2": {"method": "suffix", "num_speculative_tokens": 16,
+                     "suffix_decoding_max_spec_factor": 2.0},
+    "suffix-24-f4": {"method": "suffix", "num_speculative_tokens": 24,
+                     "suffix_decoding_max_spec_factor": 4.0},
 }
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
 
@@ -83,12 +94,12 @@ def continuations(model: str, prompts: list[Any], output_len: int) -> list[list[
 
 
 def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
-            output_len: int) -> dict[str, Any]:
+            output_len: int, async_scheduling: bool | None = None) -> dict[str, Any]:
     """In a fresh process: a warm-up, then the prompts ``concurrency`` at a time."""
     from tidal.core import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", max_num_seqs=max(concurrency, 1),
-              speculative_config=spec)
+              speculative_config=spec, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:concurrency], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -105,14 +116,15 @@ def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
             "acceptance": stats.spec_decode_num_accepted_tokens / drafted if drafted else None}
 
 
-def measure(model: str, prompts: list[Any], concurrency: int, output_len: int
-            ) -> dict[str, dict[str, Any]]:
+def measure(model: str, prompts: list[Any], concurrency: int, output_len: int,
+            methods: dict[str, dict[str, Any] | None] = METHODS,
+            async_scheduling: bool | None = None) -> dict[str, dict[str, Any]]:
     rows = {}
     ctx = multiprocessing.get_context("spawn")
-    for name, spec in METHODS.items():
+    for name, spec in methods.items():
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
             rows[name] = pool.submit(run_one, model, spec, prompts, concurrency,
-                                     output_len).result()
+                                     output_len, async_scheduling).result()
         base = rows["none"]["output_tok_s"]
         rows[name]["vs_none"] = rows[name]["output_tok_s"] / base
         print(f"  c{concurrency} {name:7s} {rows[name]['output_tok_s']:8.1f} tok/s "
@@ -129,10 +141,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--c32-requests", type=int, default=64)
     ap.add_argument("--name", default="spec_decode")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32], choices=[1, 32])
+    ap.add_argument("--methods", nargs="+", choices=[*METHODS, *EXTRA_METHODS],
+                    help="the configurations to run, none first (default: none ngram suffix)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="for every configuration, none's included (default: the engine's)")
     args = ap.parse_args(argv)
     from tidal.core.config import DEFAULT_MODEL
 
-    result: dict[str, Any] = {"output_len": args.output_len, "methods": METHODS,
+    known = {**METHODS, **EXTRA_METHODS}
+    methods = ({"none": None} | {m: known[m] for m in args.methods} if args.methods
+               else METHODS)
+    result: dict[str, Any] = {"output_len": args.output_len, "methods": methods,
+                              "async_scheduling": args.async_scheduling,
                               "load_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads:
@@ -141,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             print(workload, flush=True)
             result[workload] = {
                 f"c{c}": measure(model, prompts_for(workload, model, n, args.output_len), c,
-                                 args.output_len)
+                                 args.output_len, methods, args.async_scheduling)
                 for c, n in ((1, args.c1_requests), (32, args.c32_requests))
                 if c in args.concurrency}
     result["load_after"] = list(os.getloadavg())

@@ -96,7 +96,8 @@ class EngineConfig:
     # ``priority``, the lowest first; a request preempts running ones it outranks)
     scheduling_policy: str = "fcfs"
     # Speculative decoding (docs/speculative-decoding.md): vLLM's shape, as a dict, its JSON
-    # text or a SpeculativeConfig; None: off. It turns async scheduling off.
+    # text or a SpeculativeConfig; None: off. With async scheduling, each step speculates
+    # only where measured to pay (core/spec_mode.py).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # "generate" (text) or "pooling" (embeddings: each request one prefill, pooled;
     # core/pooling.py), vLLM's ``--runner``
@@ -119,11 +120,6 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None:
-            if self.async_scheduling:
-                raise ValueError("speculative decoding runs without async scheduling; drop "
-                                 "--async-scheduling")
-            self.async_scheduling = False
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {self.scheduling_policy!r}")

@@ -28,6 +28,7 @@ from tidal.core.request import Request, RequestStatus
 from tidal.core.sampling_params import SamplingParams, check_token_ids, reply_budget
 from tidal.core.scheduler import Scheduler, SchedulerConfig
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.spec_mode import StepModes
 from tidal.core.step_profiler import StepProfiler
 from tidal.core.structured_output.manager import StructuredOutputManager
 
@@ -121,6 +122,9 @@ class EngineCore:
         self._in_flight = None  # the launched step whose tokens are not processed yet
         # with pipeline stages: the steps in flight, oldest first, and the requests each holds
         self._pipe: deque[tuple[StepResult, list[str]]] = deque()
+        # speculation with async scheduling: which steps speculate, by measurement
+        self.spec_modes = (StepModes() if config.async_scheduling
+                           and config.speculative_config is not None else None)
         # with a second tier: each step in flight's schedule and launch time (swap_policy)
         self._launches: dict[int, tuple[SchedulerOutput, float]] = {}
         # (deadline, tie-breaker, parent) of requests with a timeout: a heap, so a step looks
@@ -219,12 +223,14 @@ class EngineCore:
         prof.start()
         if self._deadlines:
             self._abort_expired()
+        early, speculate = self._choose_mode()
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         self._finished_elsewhere += self.scheduler.take_grammar_failures()
         prof.lap("schedule")
         if sched.is_empty and self._in_flight is None and not self._pipe:
             self.structured.wait_for_compiles(GRAMMAR_POLL_SECONDS)
-        early = self._fill_grammar_bitmask(sched)
+        early += self._fill_grammar_bitmask(sched)
         launched = time.perf_counter()
         handle = self.executor.execute_model_async(sched, before_forward)  # laps its phases
         prof.num_tokens += sched.total_num_scheduled_tokens
@@ -232,15 +238,22 @@ class EngineCore:
             self._launches[id(handle)] = (sched, launched)
         if self.scheduler.config.micro_batches > 1:
             return early + self._through_pipe(sched, handle)
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not speculate:
             previous = self._in_flight
             self._in_flight = None if sched.is_empty else handle
-            return early + self._process(previous)
-        outputs = early + self._process(handle)
+            outputs = early + self._process(previous)
+            if self.spec_modes is not None and previous is not None:  # a run of async steps
+                self.spec_modes.observe_async(sched, time.perf_counter() - started)
+            return outputs
         speculator = self.scheduler.speculator
+        accepted = speculator.stats.num_accepted_tokens if speculator is not None else 0
+        outputs = early + self._process(handle)
         if speculator is not None and not sched.is_empty:
             speculator.observe_step(sched.total_num_scheduled_tokens,
                                     time.perf_counter() - launched)
+            if self.spec_modes is not None:
+                self.spec_modes.observe_spec(sched, time.perf_counter() - started,
+                                             speculator.stats.num_accepted_tokens - accepted)
         return outputs
 
     def _through_pipe(self, sched: SchedulerOutput, handle: StepResult) -> list[RequestOutput]:
@@ -265,6 +278,20 @@ class EngineCore:
         outputs = self._process(handle)
         self.scheduler.in_flight.difference_update(ids)
         return outputs
+
+    def _choose_mode(self) -> tuple[list[RequestOutput], bool]:
+        """Whether this step speculates (with async scheduling, as measured to pay:
+        ``core/spec_mode.py``); if it does, the step in flight is processed first, so the
+        proposals follow the newest tokens, and its outputs are returned."""
+        if self.spec_modes is None:
+            return [], self.scheduler.speculator is not None
+        speculator = self.scheduler.speculator
+        assert speculator is not None
+        speculator.active = self.spec_modes.choose(self.scheduler.running)
+        if not speculator.active or self._in_flight is None:
+            return [], speculator.active
+        previous, self._in_flight = self._in_flight, None
+        return self._process(previous), True
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """The bitmask of the constrained rows this step samples. Their matchers must first

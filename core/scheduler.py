@@ -79,7 +79,7 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         self._preemption_warning = RateLimitedWarning(logger)
         self.service = ServiceCounters(config.client_burst_tokens or 4 * config.max_num_seqs)
         self.speculator = (Speculator(config.speculative, config.max_model_len,
-                                      structured)
+                                      structured, config.async_scheduling)
                            if config.speculative is not None else None)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's proposals
 

@@ -38,7 +38,8 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 async_scheduling: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.structured = structured  # constrained requests' matchers check their proposals
@@ -49,6 +50,11 @@ class Speculator:
                        if config.method == "suffix" else None)
         self.stats = SpecDecodeStats()
         self.policy = SpecPolicy()  # how many proposals pay, by measurement
+        # with async scheduling the engine says each step whether it speculates
+        # (core/spec_mode.py); a seeded sampling request then never does, so its tokens do
+        # not depend on which steps did
+        self.active = True
+        self.async_scheduling = async_scheduling
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
 
     def propose(self, request: Request, budget: int, num_rows: int = 1) -> list[int]:
@@ -59,7 +65,9 @@ class Speculator:
         prefilling (its last prompt token included). A constrained request's proposals are cut
         at the first its grammar refuses, so each proposed position has a bitmask to verify
         with."""
-        if not request.num_output_tokens:
+        params = request.sampling_params
+        if not (request.num_output_tokens and self.active) or (
+                self.async_scheduling and params.seed is not None and not params.greedy):
             return []
         cfg = self.config
         k = min(cfg.num_speculative_tokens, budget - 1,
@@ -72,11 +80,11 @@ class Speculator:
         else:
             drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
                                    cfg.prompt_lookup_max)
-        if request.sampling_params.seed is None:  # a seed replays only the same proposals
+        if params.seed is None:  # a seed replays only the same proposals
             kept = self.policy.keep(request.request_id, len(drafts), num_rows)
             self.stats.num_trimmed_tokens += len(drafts) - kept
             drafts = drafts[:kept]
-        if drafts and request.sampling_params.structured_outputs is not None:
+        if drafts and params.structured_outputs is not None:
             if self.structured is None:
                 return []
             drafts = self.structured.allowed_prefix(request.request_id, drafts)

@@ -49,6 +49,15 @@ class StepCost:
         a = y / w - b * x / w
         return max(a, 0.0), max(b, 0.0)
 
+    def predict(self, rows: int) -> float | None:
+        """A step's seconds at ``rows``: the fit's, or while the rows have not varied the
+        mean of the steps seen; None before any."""
+        fit = self.fit()
+        if fit is not None:
+            return fit[0] + fit[1] * rows
+        w, y = self._sums[0], self._sums[2]
+        return y / w if w > 0 else None
+
 
 @dataclass
 class _Acceptance:

@@ -71,9 +71,15 @@ def _verify_random(logits: torch.Tensor, r: RandomRows, drafts: torch.Tensor,
 
 
 def _uniforms(r: RandomRows, probs: torch.Tensor) -> torch.Tensor:
-    """One U[0, 1) per sampling row, seeded rows drawing from their generators (before
-    the draw's, in row order, so a seed replays)."""
+    """One U[0, 1) per sampling row, seeded rows with a proposal drawing from their
+    generators (before the draw's, in row order, so a seed replays). A request's rows
+    are consecutive and share its generator, and only its last has no proposal: that row, and
+    a seeded request without proposals, draws nothing here, so its generator advances as the
+    sampler's does in a step without proposals (its tokens then do not depend on whether
+    the step verified others' proposals)."""
     u = torch.rand(probs.shape[0], device=probs.device)
-    for row, generator in r.generators.items():
-        u[row] = torch.rand(1, generator=generator, device=probs.device)[0]
+    generators = r.generators
+    for row, generator in generators.items():
+        if generators.get(row + 1) is generator:  # not its request's last row
+            u[row] = torch.rand(1, generator=generator, device=probs.device)[0]
     return u

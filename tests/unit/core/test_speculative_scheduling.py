@@ -61,19 +61,22 @@ def test_config_takes_vllms_shape_and_refuses_the_rest(tmp_path):
         with pytest.raises(ValueError, match=next(k for k in bad if k != "method")):
             parse_speculative_config(bad)
     (tmp_path / "config.json").write_text("{}")
+    # async scheduling keeps its default (on the GPU) and may be asked for beside speculation
     config = EngineConfig(str(tmp_path), device="cuda", speculative_config={"method": "ngram"})
-    assert config.async_scheduling is False and config.speculative_config.method == "ngram"
-    with pytest.raises(ValueError, match="async scheduling"):
-        EngineConfig(str(tmp_path), async_scheduling=True,
-                     speculative_config={"method": "ngram"})
+    assert config.async_scheduling is True and config.speculative_config.method == "ngram"
+    assert not EngineConfig(str(tmp_path), device="cpu",
+                            speculative_config={"method": "ngram"}).async_scheduling
+    assert EngineConfig(str(tmp_path), async_scheduling=True,
+                        speculative_config={"method": "ngram"}).async_scheduling
 
 
 # -- the scheduler --------------------------------------------------------------------------
 
-def _scheduler(budget: int = 16, k: int = 4, block_size: int = 4) -> Scheduler:
+def _scheduler(budget: int = 16, k: int = 4, block_size: int = 4,
+               async_scheduling: bool = False) -> Scheduler:
     kv = KVCacheManager(32, block_size)
-    return Scheduler(SchedulerConfig(4, budget, 64, speculative=SpeculativeConfig(
-        "ngram", k, 1, 2)), kv)
+    return Scheduler(SchedulerConfig(4, budget, 64, async_scheduling=async_scheduling,
+                                     speculative=SpeculativeConfig("ngram", k, 1, 2)), kv)
 
 
 def _prefilled(s: Scheduler, req_id: str, prompt: list[int], first: int,
@@ -243,3 +246,21 @@ def test_the_scheduler_drops_proposals_that_would_not_pay_and_seeds_keep_theirs(
     assert out.scheduled_spec_decode_tokens == {"b": [3, 1, 2]}
     assert out.num_scheduled_tokens == {"a": 1, "b": 4}
     assert s.speculator.stats.num_trimmed_tokens == 3
+
+
+def test_with_async_scheduling_proposals_come_only_in_the_steps_that_speculate():
+    s = _scheduler(async_scheduling=True)
+    for req_id, params in (("greedy", {"temperature": 0.0, "seed": 5}), ("seeded", {"seed": 5}),
+                           ("free", {})):
+        s.add_request(Request(req_id, [1, 2, 3, 1, 2, 3, 1], SamplingParams(
+            max_tokens=20, **params), eos_token_id=99))
+    s.schedule()
+    s.update_from_output(ModelRunnerOutput(["greedy", "seeded", "free"], [[2], [2], [2]]))
+    s.speculator.active = False  # an async step: none
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {}
+    s.update_from_output(ModelRunnerOutput(["greedy", "seeded", "free"], [[3], [3], [3]]))
+    s.speculator.active = True  # a seeded sampling request never: its draws would change
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"greedy": [1, 2, 3], "free": [1, 2, 3]}
+    assert out.num_scheduled_tokens == {"greedy": 4, "seeded": 1, "free": 4}

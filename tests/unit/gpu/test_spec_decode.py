@@ -85,10 +85,10 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k, to
 
 def test_seeded_rows_replay():
     def run() -> tuple[list[int], list[bool]]:
+        generator = torch.Generator().manual_seed(7)  # one request's three rows
         meta = SamplingMetadata(3, None, RandomRows(
             rows=torch.arange(3), temperature=torch.ones(3), top_k=None, top_p=None,
-            min_p=None, generators={i: torch.Generator().manual_seed(7) for i in range(3)},
-            all_rows=True))
+            min_p=None, generators={i: generator for i in range(3)}, all_rows=True))
         out = verify(TARGET.repeat(3, 1), meta, torch.tensor([1, 0, -1]))
         return out.sampled_token_ids.tolist(), out.accepted.tolist()
 
@@ -134,6 +134,8 @@ def speculating(llm: LLM) -> LLM:
     """``llm`` with every proposal run: the measured policy (``core/spec_policy.py``) would
     trim some by this host's step times, and these tests count the proposals."""
     llm.engine.scheduler.speculator.policy.keep = lambda _req_id, n, _rows: n
+    if llm.engine.spec_modes is not None:  # async scheduling: every step speculates
+        llm.engine.spec_modes.choose = lambda _running: True
     return llm
 
 
@@ -197,9 +199,10 @@ def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model)
 
 
 @pytest.mark.gpu
-def test_sampling_with_proposals_replays_its_seed_and_keeps_n(echo_model):
-    spec = LLM(echo_model, speculative_config=SPEC,
-               **on_test_device(dtype="float32", max_num_seqs=4))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampling_with_proposals_replays_its_seed_and_keeps_n(echo_model, async_scheduling):
+    spec = LLM(echo_model, speculative_config=SPEC, **on_test_device(
+        dtype="float32", max_num_seqs=4, async_scheduling=async_scheduling))
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, n=2, max_tokens=24,
                             ignore_eos=True)
     first = spec.generate(_prompts()[2:], params, use_tqdm=False)
