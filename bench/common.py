@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -37,6 +38,32 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int,
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(min_len, max_len))]
             for _ in range(num)]
+
+
+def decode_timings(llm, batch: int, input_len: int, output_len: int,
+                   passes: int = 2) -> tuple[float, float]:
+    """Seconds for ``batch`` fresh prompts (no prefix-cache hits) to ``output_len`` tokens and
+    to one token, each the best of ``passes``, after a warm-up; ``llm`` is shut down after.
+    Their difference over ``output_len - 1`` is the decode step."""
+    from tidal.core import SamplingParams
+
+    seeds = itertools.count()
+
+    def run(tokens: int) -> float:
+        prompts = random_prompts(batch, input_len, input_len, 3000, seed=next(seeds))
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                detokenize=False)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    try:
+        run(2)  # warm-up
+        whole = min(run(output_len) for _ in range(passes))
+        first = min(run(1) for _ in range(passes))
+    finally:
+        llm.shutdown()
+    return whole, first
 
 
 def add_head_args(ap: argparse.ArgumentParser, repeats: int) -> None:

@@ -15,15 +15,13 @@ last-level cache, so a step reads them from memory, as a GPU's step does.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import tempfile
-import time
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, host_line, machine, random_prompts, write_result
+from bench.common import RESULTS_DIR, decode_timings, host_line, machine, write_result
 from bench.model_shapes import build_shaped_model_dir
-from tidal.core import LLM, SamplingParams
+from tidal.core import LLM
 
 # (name, pipeline stages, micro-batches in flight)
 LAYOUTS = [("one process", 1, 1), ("2 stages, one step at a time", 2, 1),
@@ -36,23 +34,7 @@ def measure(model: str, stages: int, micro_batches: int, concurrency: int, input
     llm = LLM(model, pipeline_parallel_size=stages, max_num_seqs=concurrency,
               max_model_len=1024, max_num_batched_tokens=max(512, concurrency))
     llm.engine.scheduler.config.micro_batches = micro_batches  # 1: each step drains the pipe
-    seeds = itertools.count()
-
-    def run(tokens: int) -> float:
-        """Seconds for ``tokens`` tokens of fresh prompts (no prefix-cache hits)."""
-        prompts = random_prompts(concurrency, input_len, input_len, 3000, seed=next(seeds))
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
-                                detokenize=False)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    try:
-        run(2)  # warm-up
-        whole = min(run(output_len) for _ in range(passes))
-        first = min(run(1) for _ in range(passes))
-    finally:
-        llm.shutdown()
+    whole, first = decode_timings(llm, concurrency, input_len, output_len, passes)
     return {"output_tok_s": concurrency * output_len / whole,
             "tpot_ms": 1000 * (whole - first) / (output_len - 1)}
 

@@ -13,10 +13,8 @@ one process's step over N plus ``2 x layers + 1`` all-reduces and one all-gather
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,35 +23,20 @@ import torch.multiprocessing as mp
 
 from bench.common import (
     RESULTS_DIR,
+    decode_timings,
     host_line,
     machine,
-    random_prompts,
     time_ms,
     write_result,
 )
 from bench.model_shapes import build_shaped_model_dir
-from tidal.core import LLM, SamplingParams
+from tidal.core import LLM
 from tidal.gpu.model_config import ModelConfig
 
 
 def decode_step_ms(model: str, tp: int, batch: int, input_len: int, output_len: int) -> float:
     llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=batch, max_model_len=1024)
-    seeds = itertools.count()
-
-    def run(tokens: int) -> float:
-        """Seconds for ``tokens`` tokens of fresh prompts (no prefix-cache hits)."""
-        prompts = random_prompts(batch, input_len, input_len, 3000, seed=next(seeds))
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
-                                detokenize=False)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    try:
-        run(2)  # warm-up
-        whole, first = min(run(output_len) for _ in range(2)), min(run(1) for _ in range(2))
-    finally:
-        llm.shutdown()
+    whole, first = decode_timings(llm, batch, input_len, output_len)
     return 1000 * (whole - first) / (output_len - 1)
 
 
