@@ -178,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
                         "\"prompt_lookup_max\": 5}' proposes up to 4 tokens a step from the "
                         "prompt and output so far, verified by the model in the same step; "
-                        "'{\"method\": \"suffix\"}' also from recent requests' outputs "
-                        "(with async scheduling, only in the steps where it is measured to "
-                        "pay; docs/speculative-decoding.md)")
+                        "'{\"method\": \"suffix\"}' also from recent requests' outputs; "
+                        "'{\"method\": \"draft_model\", \"model\": DIR}' from a small draft "
+                        "model (the embedded model ships one); with async scheduling, ngram "
+                        "and suffix speculate only in the steps where it is measured to pay "
+                        "(docs/speculative-decoding.md)")
     engine.add_argument("--request-timeout", type=_positive_seconds, default=None,
                         metavar="SECONDS", help="abort a request still waiting or running this "
                         "long after it arrived (finish_reason 'abort'); a request's own "

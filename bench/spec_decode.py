@@ -1,6 +1,6 @@
-"""Speculative decoding's speed: output tok/s with n-gram and suffix proposals against none, on
-the same model, prompts and greedy settings, at c1 (one request at a time) and c32 (32 at
-once), each configuration in a fresh process. Prints and writes
+"""Speculative decoding's speed: output tok/s with n-gram, suffix and draft-model proposals
+against none, on the same model, prompts and greedy settings, at c1 (one request at a time)
+and c32 (32 at once), each configuration in a fresh process. Prints and writes
 ``bench/results/spec_decode.json``.
 
 Two workloads:
@@ -11,10 +11,11 @@ Two workloads:
   ``G``, text already in its prompt, as an edit of code or a quoted document repeats its
   source. A random model cannot copy the way a trained one does; this stands in for that.
 - ``embedded``: the embedded default model on Tiny Shakespeare passages, each given twice, the
-  second copy cut short: the model's own continuation decides how much is accepted.
+  second copy cut short: the model's own continuation decides how much is accepted. Only this
+  workload runs ``draft_model``: the embedded model ships its draft (``core/default_model/draft``).
 
     python -m bench.spec_decode [--output-len 128] [--workloads repeating embedded]
-        [--async-scheduling] [--methods ngram suffix suffix-16-f2 ...]
+        [--async-scheduling] [--methods none ngram suffix draft_model suffix-16-f2 ...]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
               "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
 }
 # longer proposals where the match is long, for the copy workload (``--methods``)
 EXTRA_METHODS: dict[str, dict[str, Any]] = {
@@ -122,6 +124,8 @@ def measure(model: str, prompts: list[Any], concurrency: int, output_len: int,
     rows = {}
     ctx = multiprocessing.get_context("spawn")
     for name, spec in methods.items():
+        if name == "draft_model" and not (Path(model) / "draft" / "config.json").is_file():
+            continue  # no draft ships with this model
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
             rows[name] = pool.submit(run_one, model, spec, prompts, concurrency,
                                      output_len, async_scheduling).result()
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default="spec_decode")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32], choices=[1, 32])
     ap.add_argument("--methods", nargs="+", choices=[*METHODS, *EXTRA_METHODS],
-                    help="the configurations to run, none first (default: none ngram suffix)")
+                    help="the configurations to run, none first (default: none ngram suffix "
+                    "draft_model)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="for every configuration, none's included (default: the engine's)")
     args = ap.parse_args(argv)

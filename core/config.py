@@ -128,6 +128,13 @@ class EngineConfig:
                              f"or a .gguf file; {self.model!r} is neither")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"tokenizer must be a directory; {self.tokenizer!r} is none")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            if self.async_scheduling:
+                raise ValueError("speculative method draft_model runs without async "
+                                 "scheduling (its proposals follow each step's tokens); drop "
+                                 "async_scheduling or choose ngram or suffix")
+            self.async_scheduling = False
         if self.async_scheduling is None:
             self.async_scheduling = self.device != "cpu"
         if self.max_num_batched_tokens is None:

@@ -73,6 +73,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
     # runner "pooling": the embeddings of the requests whose prompt this step completed
     pooled: dict[str, list[float]] | None = None
+    # speculative draft_model: the draft's proposals to follow each sampling request's new
+    # tokens, for the scheduler to run in the next step
+    draft_token_ids: dict[str, list[int]] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -75,6 +75,9 @@ class StepUpdates:
                 token_ids = token_ids[:kept]
                 new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
             updates.append(RequestUpdate(request, token_ids, new_logprobs, finished))
+            drafts = output.draft_token_ids and output.draft_token_ids.get(req_id)
+            if drafts and not finished and self.speculator is not None:
+                self.speculator.drafted(request, drafts)
         return updates
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[int, bool]:

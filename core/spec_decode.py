@@ -56,6 +56,9 @@ class Speculator:
         self.active = True
         self.async_scheduling = async_scheduling
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
+        # draft_model: request id -> (its known tokens when proposed, the draft's proposals),
+        # from the step that sampled its last token (``ModelRunnerOutput.draft_token_ids``)
+        self._drafted: dict[str, tuple[int, list[int]]] = {}
 
     def propose(self, request: Request, budget: int, num_rows: int = 1) -> list[int]:
         """Proposals for a decoding ``request`` (its known tokens all computed after this
@@ -77,6 +80,8 @@ class Speculator:
             return []
         if self.suffix is not None:
             drafts = self.suffix.propose(request.request_id, request.all_token_ids, k)
+        elif cfg.method == "draft_model":
+            drafts = self._draft_for(request, k)
         else:
             drafts = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min,
                                    cfg.prompt_lookup_max)
@@ -89,6 +94,15 @@ class Speculator:
                 return []
             drafts = self.structured.allowed_prefix(request.request_id, drafts)
         return drafts
+
+    def drafted(self, request: Request, drafts: list[int]) -> None:
+        """The draft model proposed ``drafts`` to follow ``request``'s known tokens."""
+        self._drafted[request.request_id] = (request.num_tokens, drafts)
+
+    def _draft_for(self, request: Request, k: int) -> list[int]:
+        """The draft's proposals for ``request``, if made after its current last token."""
+        num_tokens, drafts = self._drafted.pop(request.request_id, (-1, []))
+        return drafts[:k] if num_tokens == request.num_tokens else []
 
     def scheduled(self, request: Request, drafts: list[int]) -> None:
         """``drafts`` run for ``request`` in this step."""
@@ -115,6 +129,7 @@ class Speculator:
         """``request`` is done (stopped, aborted or failed): what it held goes, and suffix
         decoding keeps its output for the requests after it."""
         self._in_step.pop(request.request_id, None)
+        self._drafted.pop(request.request_id, None)
         self.policy.finished(request.request_id)
         if self.suffix is not None:
             self.suffix.finished(request.request_id, request.output_token_ids)

@@ -16,6 +16,7 @@ from tidal.core.host_tier import KVCopies
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, kv_quant
 from tidal.gpu.cuda_graphs import CudaGraphRunner
+from tidal.gpu.draft_runner import DraftRunner
 from tidal.gpu.kv_copier import KVCopier
 from tidal.gpu.kv_disk_tier import KVDiskTier, manifest
 from tidal.gpu.kv_host_tier import KVHostTier
@@ -41,6 +42,7 @@ class KVCacheSetup:
     cuda_graphs: CudaGraphRunner | None
     backend: AttentionBackend  # the runner's property: the running model's
     run_model: Callable[..., torch.Tensor]
+    drafter: DraftRunner | None  # draft_model's: its layers' KV shares the block ids
 
     # -- KV cache -----------------------------------------------------------------------
     @property
@@ -52,11 +54,15 @@ class KVCacheSetup:
         cfg = self.shard_config
         per_token = (cfg.kv_bytes_per_token(1, kv_quant.SCALE_BYTES) if self.kv_cache_quantized
                      else cfg.kv_bytes_per_token(self.dtype.itemsize))
-        per_block = self.block_size * per_token
         if self.device == "cpu":
             budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         else:
             budget = self._free_gpu_memory_for_kv()
+        if self.drafter is not None:  # each block in the draft's layers too, and its scratch
+            draft = self.drafter.bytes_per_token(self.kv_cache_quantized)
+            per_token += draft
+            budget -= self.drafter.num_scratch * self.block_size * draft
+        per_block = self.block_size * per_token
         num_blocks = budget // per_block
         if num_blocks < 1:
             hint = ("raise kv_cache_memory" if self.device == "cpu" or self.config.kv_cache_memory
@@ -116,6 +122,8 @@ class KVCacheSetup:
         dtype = torch.int8 if self.kv_cache_quantized else self.dtype
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
+        if capture and self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.kv_cache_quantized)
         if capture:  # the cache steps run on, not the profiling run's: its tiers too
             self._allocate_tiers()
             self._capture_cuda_graphs()

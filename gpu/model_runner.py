@@ -20,11 +20,12 @@ from tidal.gpu.attention import AttentionBackend, AttentionMetadata, get_attenti
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.host_allocator import keep_freed_host_memory, release_freed_host_memory
 from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
-from tidal.gpu.cpu.model_upgrade import CpuUpgrades
-from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.cpu.model_upgrade import CpuUpgrades, plans_of
+from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.cpu.step_watch import StepWatch
 from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.distributed import tensor_parallel
+from tidal.gpu.draft_runner import DraftedHandle, DraftRunner
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.kv_cache_setup import KVCacheSetup
 from tidal.gpu.model_config import ModelConfig
@@ -61,7 +62,7 @@ class ModelRunner(KVCacheSetup):
         # timed, and plans timed on a noisy host are timed again later (a server's, on one
         # device; a tensor-parallel rank builds and plans first, as its peers do).
         self._last_step_at = 0.0  # time.monotonic() of the latest step
-        self._upgrades = (CpuUpgrades(self._load_model, _plans_of, self.plan_signature(),
+        self._upgrades = (CpuUpgrades(self._load_model, plans_of, self.plan_signature(),
                                       lambda: self._last_step_at)
                           if self.device == "cpu" and not config.offline and self.tp.world_size == 1
                           else None)
@@ -69,6 +70,7 @@ class ModelRunner(KVCacheSetup):
         self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
                                 else self._load_model())
         self._step_watch = StepWatch() if self._upgrades is not None else None
+        self.drafter = DraftRunner.for_config(config, model_config, max_model_len, self.dtype)
         self.sampler = Sampler()
         self.pooler = (Pooler(read_pooling_config(config.model)) if config.runner == "pooling"
                        else None)  # embeddings, nothing sampled (gpu/pooler.py)
@@ -227,15 +229,21 @@ class ModelRunner(KVCacheSetup):
             finally:
                 self._modes_thread = None
 
-    def _launch_step(self, sched: SchedulerOutput,
-                     before_forward: Callable[[], None] | None) -> StepHandle | PooledHandle:
-        prof = self.profiler
+    def _launch_step(self, sched: SchedulerOutput, before_forward: Callable[[], None] | None
+                     ) -> StepHandle | PooledHandle | DraftedHandle:
         self._last_step_at = time.monotonic()
         if self._upgrades is not None:
             upgraded = self._upgrades.poll()
             if upgraded is not None:
                 self._swap_in(upgraded)
         self._update_states(sched)
+        drafted = None if self.drafter is None else self.drafter.note(self.batch, sched)
+        handle = self._launch_target(sched, before_forward)  # the draft runs after it
+        return handle if drafted is None else drafted.after(handle, self.step_modes)
+
+    def _launch_target(self, sched: SchedulerOutput,
+                       before_forward: Callable[[], None] | None) -> StepHandle | PooledHandle:
+        prof = self.profiler
         self.start_kv_copies(sched)  # on their own thread, while the inputs are prepared
         if sched.is_empty:
             return StepHandle(self.batch, [], [], None)
@@ -389,10 +397,3 @@ class ModelRunner(KVCacheSetup):
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-
-def _plans_of(loaded: LoadedModel) -> list[Plan] | None:
-    """A loaded CPU model's timed plans (None off the kernels, or untimed)."""
-    cpu = loaded.cpu
-    if cpu is None or not cpu.plans.timed:
-        return None
-    return list(cpu.plans.plans.values()) + ([cpu.stack_plan] if cpu.stack_plan else [])

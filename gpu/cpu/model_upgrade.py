@@ -22,11 +22,14 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import build_in_background, is_built
 from tidal.gpu.cpu.selector import Plan, PlanCache
+
+if TYPE_CHECKING:
+    from tidal.gpu.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +237,11 @@ class CpuUpgrades(Generic[Model]):
 
 def _choices(plans: list[Plan] | None) -> list[tuple]:
     return [(p.bounds, p.choices) for p in plans or []]
+
+
+def plans_of(loaded: LoadedModel) -> list[Plan] | None:
+    """A loaded CPU model's timed plans (None off the kernels, or untimed)."""
+    cpu = loaded.cpu
+    if cpu is None or not cpu.plans.timed:
+        return None
+    return list(cpu.plans.plans.values()) + ([cpu.stack_plan] if cpu.stack_plan else [])

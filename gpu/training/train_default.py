@@ -3,6 +3,14 @@
     python -m tidal.gpu.training.train_default --data PATH/tinyshakespeare.txt \
         --out core/default_model
 
+Its speculative-decoding draft (docs/speculative-decoding.md) is trained the same way on the
+same text, reusing the model's tokenizer (so the two share the vocabulary), in a smaller shape:
+
+    python -m tidal.gpu.training.train_default --data PATH/tinyshakespeare.txt \
+        --out core/default_model/draft --tokenizer core/default_model \
+        --hidden-size 64 --intermediate-size 176 --num-layers 2 --num-heads 2 \
+        --num-kv-heads 2 --steps 1800 --lr 3e-3 --eval-every 300 --threads 1
+
 Reproducible: a fixed seed drives the weights and every batch, and the tokenizer's training is
 deterministic (results can still differ in the last bits with the number of threads). The last
 10 % of the text is held out. Every ``--eval-every`` steps a line gives the mean training loss
@@ -52,6 +60,7 @@ class TrainConfig:
     eval_every: int = 50
     threads: int = 2
     bf16_autocast: bool = False
+    tokenizer: str = ""  # a saved tokenizer to reuse (a draft's: its target's); "": train one
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -121,7 +130,8 @@ def held_out_loss(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, t
 def train(cfg: TrainConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     torch.set_num_threads(cfg.threads)
     split = read_split(cfg.data)
-    tokenizer = train_tokenizer(split.train, cfg.vocab_size)
+    tokenizer = (PreTrainedTokenizerFast.from_pretrained(cfg.tokenizer) if cfg.tokenizer
+                 else train_tokenizer(split.train, cfg.vocab_size))
     mix = MixConfig(seq_len=cfg.seq_len, chat_fraction=cfg.chat_fraction)
     sampler = ExampleSampler(tokenizer, split.train, parse_speeches(split.train), mix, cfg.seed)
     model = build_model(cfg, tokenizer)

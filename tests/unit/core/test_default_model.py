@@ -42,9 +42,13 @@ def test_shipped_files_are_complete_flat_and_small():
     root = Path(DEFAULT_MODEL)
     assert root.is_absolute() and root.parent == Path(core.__file__).resolve().parent
     entries = list(root.iterdir())
-    assert all(p.is_file() for p in entries), "package data ships only default_model/*"
-    assert REQUIRED_FILES <= {p.name for p in entries}
-    assert sum(p.stat().st_size for p in entries) <= MAX_BYTES
+    draft = root / "draft"  # its speculative-decoding draft, one folder down
+    files = [p for p in entries if p != draft] + list(draft.iterdir())
+    assert all(p.is_file() for p in files), \
+        "package data ships only default_model/* and default_model/draft/*"
+    for folder in (root, draft):
+        assert REQUIRED_FILES <= {p.name for p in folder.iterdir()}
+    assert sum(p.stat().st_size for p in files) <= MAX_BYTES
 
 
 def test_loads_with_transformers_as_a_plain_llama(hf_model, tokenizer):

@@ -1,0 +1,255 @@
+"""Speculative decoding's draft model: a small model with the target's vocabulary, run by the
+model runner right after the target's step, whose greedy guesses the next step verifies
+(docs/speculative-decoding.md).
+
+The draft's layers have KV tensors of their own but share the target's block ids: a request's
+block table addresses both caches, so chunked prefill, prefix caching, preemption and
+roll-back need nothing of their own. Each step the draft
+- runs the tokens the target's step computed and kept (a prefill chunk; a decode's last token
+  and accepted proposals), plus, for a request that sampled, its new last token: its KV then
+  holds every known token the target's does, and its logits there give the first proposal;
+- then runs ``k - 1`` one-token forwards, each from its own previous guess.
+Positions past a request's known tokens are written before they are read (the next step's
+catch-up writes them again with the verified tokens), so a rejected guess's KV is never read.
+Positions past the blocks the scheduler gave a request go to scratch blocks after the shared
+ones, the draft's alone: each step's guesses need them only within that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.core.config import EngineConfig
+from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tidal.core.speculative_config import SpeculativeConfig, resolve_draft_model
+from tidal.gpu.attention import AttentionMetadata, get_attention_backend, kv_quant
+from tidal.gpu.distributed import tensor_parallel
+from tidal.gpu.input_batch import CachedRequestState, InputBatch
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import LoadOptions, load_model
+from tidal.gpu.pipeline import pipeline_stage
+
+
+@dataclass
+class DraftStep:
+    """What the target's step ran, per request: its computed tokens before the step and how
+    many it scheduled; ``sampled``: the requests that got tokens (their state then holds them)."""
+
+    states: list[CachedRequestState]
+    starts: list[int]
+    counts: list[int]
+    sampled: set[str]
+
+
+@dataclass
+class _Rows:
+    """One draft forward's requests: their input ids and positions, host side."""
+
+    index: list[int]  # each row-request's place in the step's states
+    ids: list[np.ndarray]
+    positions: list[np.ndarray]
+
+
+def check_compatible(target: ModelConfig, draft: ModelConfig, target_dir: str,
+                     draft_dir: str) -> None:
+    """A clear error unless the draft shares the target's vocabulary (size, and token ids
+    where both folders hold a ``tokenizer.json``)."""
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(f"the draft model {draft_dir!r} has a vocabulary of "
+                         f"{draft.vocab_size} tokens, the target {target_dir!r} of "
+                         f"{target.vocab_size}: a draft must share the target's tokenizer")
+    mine, theirs = _vocab(target_dir), _vocab(draft_dir)
+    if mine is not None and theirs is not None and mine != theirs:
+        differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+        raise ValueError(f"the draft model {draft_dir!r} and the target {target_dir!r} have "
+                         f"different tokenizers ({len(differ)} tokens differ, e.g. "
+                         f"{differ[:3]}): a draft must share the target's tokenizer")
+
+
+def _vocab(model_dir: str) -> dict[str, int] | None:
+    """A folder's ``tokenizer.json`` token ids, added tokens included; None without one."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    vocab = dict(raw.get("model", {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in raw.get("added_tokens", [])})
+    return vocab
+
+
+class DraftRunner:
+    """The draft model, its KV cache, and the guesses it makes after each target step."""
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, target: ModelConfig, max_model_len: int,
+                   dtype: torch.dtype) -> DraftRunner | None:
+        """The draft ``config`` asks for (``"method": "draft_model"``), else None."""
+        spec = config.speculative_config
+        if not isinstance(spec, SpeculativeConfig) or spec.method != "draft_model":
+            return None
+        if tensor_parallel().world_size > 1 or pipeline_stage().size > 1:
+            raise ValueError("a draft model runs on one device only: no tensor or pipeline "
+                             "parallelism")
+        return cls(config, spec, target, max_model_len, dtype)
+
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: ModelConfig,
+                 max_model_len: int, dtype: torch.dtype) -> None:
+        if config.kv_offload_size or config.runner == "pooling":
+            raise ValueError("a draft model runs without a KV offload tier and on a "
+                             "generating runner only")
+        path = resolve_draft_model(spec, config.model)
+        self.model_config = ModelConfig.load(path)
+        check_compatible(target, self.model_config, config.model, path)
+        self.path, self.device, self.dtype = path, config.device, dtype
+        self.k = spec.num_speculative_tokens
+        self.block_size, self.max_model_len = config.block_size, max_model_len
+        self.max_blocks = -(-max_model_len // config.block_size)
+        self.scratch_per_seq = self.k // config.block_size + 2
+        self.num_scratch = config.max_num_seqs * self.scratch_per_seq
+        backend = get_attention_backend(config.attention_backend, config.device)
+        self.model, self.cpu = load_model(path, self.model_config, LoadOptions(
+            backend, max_model_len, dtype, config.device,
+            max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.num_blocks = 0
+
+    def bytes_per_token(self, quantized: bool) -> int:
+        """The draft's KV bytes per token (all its layers), for the cache's budget."""
+        cfg = self.model_config
+        return (cfg.kv_bytes_per_token(1, kv_quant.SCALE_BYTES) if quantized
+                else cfg.kv_bytes_per_token(self.dtype.itemsize))
+
+    def allocate(self, num_blocks: int, quantized: bool) -> None:
+        """The draft's KV: the target's ``num_blocks`` shared block ids, then its scratch."""
+        cfg = self.model_config
+        shape = (num_blocks + self.num_scratch, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = torch.int8 if quantized else self.dtype
+        self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
+                          for _ in range(cfg.num_layers)]
+        self.num_blocks = num_blocks
+
+    # -- after a target step ---------------------------------------------------------------
+    def note(self, batch: InputBatch, sched: SchedulerOutput) -> DraftedHandle | None:
+        """What ``sched`` runs, noted before the runner advances its requests (None for an
+        empty step): the draft follows it once its tokens are known."""
+        if sched.is_empty:
+            return None
+        states = [batch.states[r] for r in sched.num_scheduled_tokens]
+        return DraftedHandle(self, batch, DraftStep(
+            states, [s.num_computed_tokens for s in states],
+            list(sched.num_scheduled_tokens.values()), set()))
+
+    def propose(self, batch: InputBatch, step: DraftStep) -> dict[str, list[int]]:
+        """Fill the draft's KV for what the target's step computed, and guess ``k`` tokens
+        after each sampling request's new last token."""
+        table = self._block_table(batch, step)
+        catch_up, ends = self._catch_up_rows(batch, step)
+        sampling = [i for i, s in enumerate(step.states) if s.req_id in step.sampled]
+        if not catch_up.index:
+            return {}
+        guesses = self._forward(catch_up, table, [catch_up.index.index(i) for i in sampling])
+        proposals = {step.states[i].req_id: [g] for i, g in zip(sampling, guesses)}
+        for j in range(1, self.k):
+            live = [i for i in sampling if ends[i] - 1 + j < self.max_model_len]
+            if not live:
+                break
+            rows = _Rows(live,
+                         [np.array(proposals[step.states[i].req_id][-1:]) for i in live],
+                         [np.array([ends[i] - 1 + j]) for i in live])
+            guesses = self._forward(rows, table, list(range(len(live))))
+            for i, g in zip(live, guesses):
+                proposals[step.states[i].req_id].append(g)
+        return proposals
+
+    def _catch_up_rows(self, batch: InputBatch, step: DraftStep) -> tuple[_Rows, list[int]]:
+        """Each request's tokens the target computed and kept this step, and a sampling
+        request's new last token; and where each request's tokens end."""
+        rows = _Rows([], [], [])
+        ends = []
+        for i, (state, start, count) in enumerate(zip(step.states, step.starts, step.counts)):
+            end = state.num_tokens if state.req_id in step.sampled else start + count
+            ends.append(end)
+            if end > start:
+                rows.index.append(i)
+                rows.ids.append(batch.token_ids[state.row, start:end])
+                rows.positions.append(np.arange(start, end, dtype=np.int64))
+        return rows, ends
+
+    def _block_table(self, batch: InputBatch, step: DraftStep) -> np.ndarray:
+        """The step's requests' block tables, the blocks past each one's own given its
+        scratch blocks (``scratch_per_seq`` of them, after the shared ids)."""
+        table = np.zeros((len(step.states), self.max_blocks + self.scratch_per_seq),
+                         dtype=np.int32)
+        for i, state in enumerate(step.states):
+            own = min(state.num_blocks, self.max_blocks)
+            table[i, :own] = batch.block_table[state.row, :own]
+            scratch = self.num_blocks + i * self.scratch_per_seq
+            table[i, own:own + self.scratch_per_seq] = np.arange(
+                scratch, scratch + self.scratch_per_seq, dtype=np.int32)
+        return table
+
+    def _forward(self, rows: _Rows, table: np.ndarray, logit_rows: list[int]) -> list[int]:
+        """Run the draft over ``rows``; the greedy next token after the last token of each
+        row-request in ``logit_rows``."""
+        lens = np.array([len(p) for p in rows.positions], dtype=np.int64)
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        positions = np.concatenate(rows.positions)
+        seq_lens = np.array([p[-1] + 1 for p in rows.positions], dtype=np.int64)
+        req_table = table[rows.index]
+        token_req = np.repeat(np.arange(len(lens)), lens)
+        bs = self.block_size
+        slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
+        width = -(-int(seq_lens.max()) // bs)
+        dev = self._to_device
+        meta = AttentionMetadata(
+            num_actual_tokens=int(cu[-1]), query_start_loc=dev(cu.astype(np.int32)),
+            seq_lens=dev(seq_lens.astype(np.int32)),
+            block_table=dev(np.ascontiguousarray(req_table[:, :width])),
+            slot_mapping=dev(slots), max_query_len=int(lens.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist())
+        ids = dev(np.concatenate(rows.ids).astype(np.int64))
+        pos = dev(positions)
+        hidden = self.cpu.forward(ids, pos, self.kv_caches, meta) if self.cpu else None
+        if hidden is None:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        last = dev(cu[1:][np.asarray(logit_rows, dtype=np.int64)] - 1)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        return logits.argmax(dim=-1).tolist()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device == "cpu" else tensor.to(self.device, non_blocking=True)
+
+
+class DraftedHandle:
+    """A target step whose result carries the draft's proposals: the draft runs once the
+    target's tokens are on the host (in the runner's thread modes)."""
+
+    def __init__(self, drafter: DraftRunner, batch: InputBatch, step: DraftStep) -> None:
+        self.drafter, self.batch, self.step = drafter, batch, step
+        self.handle: Any = None
+        self.modes: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+
+    def after(self, handle: Any, modes: Callable[[], contextlib.AbstractContextManager[None]]
+              ) -> DraftedHandle:
+        """Follow the launched target step ``handle``."""
+        self.handle, self.modes = handle, modes
+        return self
+
+    def result(self) -> ModelRunnerOutput:
+        out = self.handle.result()
+        self.step.sampled = {s.req_id for s in self.handle.states}
+        assert self.modes is not None
+        with self.modes():
+            out.draft_token_ids = self.drafter.propose(self.batch, self.step)
+        return out
