@@ -78,6 +78,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_output_tokens = len(self.output_token_ids)
         self.num_tokens = len(self.all_token_ids)
+        self.last_scheduled = 0.0  # the scheduler's clock at its latest step
         params = self.sampling_params
         stops = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:

@@ -70,6 +70,8 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         self.running: list[Request] = []
         self.in_flight: set[str] = set()  # held by a step in flight (the engine keeps it)
         self._batch_size = config.max_num_seqs  # the most requests this step (micro-batches)
+        self._recent_clients: dict[str, float] = {}  # client -> when it last had work
+        self._sitting_out: set[str] = set()  # over their client's step share (sharing)
         self.num_preemptions = 0
         # why: "kv_cache" (none left), "fair_share" (another client's slot), "priority"
         self.preemptions_by_reason: Counter[str] = Counter()
@@ -157,6 +159,7 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         if self.speculator is not None:
             self.speculator.new_step()
         share, self._batch_size = self._fair_share(), self._micro_batch_size()
+        self._sitting_out = self._rows_over_step_share()
         self._make_room_for_waiting_clients(share, preempted)
         if self.by_priority:
             self._make_room_for_priority(budget, preempted)
@@ -166,9 +169,10 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         budget = self._schedule_running(budget, allowed, num_scheduled, new_block_ids, preempted)
         if len(preempted) == fairness_preemptions:  # no request ran out of KV cache
             budget = self._admit_waiting(budget, num_scheduled, new, share, allowed)
+        if not num_scheduled and (allowed is not None or self._sitting_out):
+            self._sitting_out = set()  # those allowed could not run (no slot, say): the rest may
+            self._schedule_running(budget, None, num_scheduled, new_block_ids, preempted)
         if allowed is not None:
-            if not num_scheduled:  # those allowed could not run (no slot, say): the rest may
-                self._schedule_running(budget, None, num_scheduled, new_block_ids, preempted)
             for req_id, n in num_scheduled.items():
                 self.service.charge(self.requests[req_id].client, n)
 
@@ -194,8 +198,9 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < self._batch_size:
             request = self.running[i]
-            if not self._is_idle(request) or (allowed is not None and not allowed(request.client)):
-                i += 1  # in flight, or ahead of the client furthest behind: sits this step out
+            if (not self._is_idle(request) or request.request_id in self._sitting_out
+                    or (allowed is not None and not allowed(request.client))):
+                i += 1  # in flight, over its step share, or ahead of the client furthest behind
                 continue
             if request.num_output_placeholders:
                 wanted = self._num_new_tokens_in_flight(request)
@@ -230,6 +235,7 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         """Count ``n`` tokens of ``request`` as computed by this step."""
         num_scheduled[request.request_id] = n
         request.num_computed_tokens += n
+        request.last_scheduled = self._now
         request.times.num_steps += 1
         if (self.config.async_scheduling and request.num_computed_tokens
                 >= request.num_tokens + request.num_output_placeholders):

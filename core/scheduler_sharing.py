@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 from tidal.core.request import Request, RequestStatus
 from tidal.core.service_counters import ServiceCounters
 
+# how long a client counts as present after its last request ended (``_rows_over_step_share``)
+RECENT_CLIENT_SECONDS = 2.0
+
 if TYPE_CHECKING:
     from tidal.core.kv_cache_manager import KVCacheManager
     from tidal.core.scheduler import SchedulerConfig
@@ -25,6 +28,8 @@ class BatchSharing:
     waiting: FairQueue | PriorityQueue
     service: ServiceCounters
     _preempt: Callable[[Request, str], None]  # the scheduler's (the request, why)
+    _now: float
+    _recent_clients: dict[str, float]
     _latest_idle: Callable[..., Request | None]  # core/scheduler_in_flight.py's
 
     def _make_room_for_priority(self, budget: int, preempted: list[Request]) -> None:
@@ -51,6 +56,30 @@ class BatchSharing:
         if len(clients) <= 1:
             return None
         return max(1, self.config.max_num_seqs // len(clients))
+
+    def _rows_over_step_share(self) -> set[str]:
+        """The running requests that sit this step out: while other clients have had work
+        within ``RECENT_CLIENT_SECONDS``, a client's requests fill at most its fair share of
+        the step's slots, those scheduled longest ago first (round-robin). A step then stays
+        short for the request another client sends next, which has to wait for the step in
+        flight when it arrives; a client alone keeps the whole batch."""
+        now, seen = self._now, self._recent_clients
+        for client in {r.client for r in self.running}.union(self.waiting.clients):
+            seen[client] = now
+        for gone in [c for c, at in seen.items() if now - at > RECENT_CLIENT_SECONDS]:
+            del seen[gone]
+        if len(seen) <= 1:
+            return set()
+        share = max(1, self.config.max_num_seqs // len(seen))
+        by_client: dict[str, list[Request]] = {}
+        for request in self.running:
+            by_client.setdefault(request.client, []).append(request)
+        out: set[str] = set()
+        for requests in by_client.values():
+            if len(requests) > share:
+                requests.sort(key=lambda r: r.last_scheduled)
+                out.update(r.request_id for r in requests[share:])
+        return out
 
     def _step_filter(self, share: int | None) -> Callable[[str], bool] | None:
         """Which clients run this step (``ServiceCounters``); None: all of them."""

@@ -1,5 +1,6 @@
 """Steps shared fairly between clients: a client with one sequence is not made to wait in
-steps as wide as another client's flood (core/service_counters.py)."""
+steps as wide as another client's flood (core/service_counters.py), and beside a client with
+recent work, a flood's steps hold its share of the slots (core/scheduler_sharing.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.request import Request
 from tidal.core.sampling_params import SamplingParams
 from tidal.core.scheduler import Scheduler, SchedulerConfig
+from tidal.core.scheduler_sharing import RECENT_CLIENT_SECONDS
 from tidal.core.service_counters import ServiceCounters
 
 
@@ -81,7 +83,21 @@ def test_one_sequence_beside_a_flood_runs_in_steps_of_its_own():
         assert not out.preempted_req_ids
     assert len(widths) == 20 and set(widths) == {1}
     out = _step(s)
-    assert len(out.num_scheduled_tokens) == 15, "A runs at full width again"
+    assert len(out.num_scheduled_tokens) == 15 - 7, "A fills its share while B is recent"
+
+
+def test_a_client_beside_a_recent_one_fills_its_share_of_each_step_in_turn():
+    """After B's request, A's 15 rows run 8 a step (16 slots shared by two clients), those
+    that ran longest ago first, so none waits two steps in a row; once B has had no work for
+    RECENT_CLIENT_SECONDS, A runs at full width again."""
+    s = _flooded(burst=40)
+    while "b" in s.requests:
+        _step(s)
+    first, second = _step(s).num_scheduled_tokens, _step(s).num_scheduled_tokens
+    assert len(first) == len(second) == 8
+    assert set(first) | set(second) == {f"a{i}" for i in range(15)}
+    s._recent_clients["B"] -= RECENT_CLIENT_SECONDS + 0.1
+    assert len(_step(s).num_scheduled_tokens) == 15, "A runs at full width again"
 
 
 def test_clients_get_equal_tokens_over_time():
