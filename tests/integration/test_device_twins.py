@@ -52,7 +52,7 @@ def _q4_k_gguf(out: Path) -> Path:
     source, float_dir = Path(DEFAULT_MODEL), out / "float32"
     float_dir.mkdir()
     for f in source.iterdir():
-        if f.suffix != ".safetensors":
+        if f.is_file() and f.suffix != ".safetensors":  # not the draft's folder
             (float_dir / f.name).write_bytes(f.read_bytes())
     weights = load_file(source / "model.safetensors")
     save_file({k: v.float().contiguous() for k, v in weights.items()},
