@@ -71,10 +71,8 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         self.in_flight: set[str] = set()  # held by a step in flight (the engine keeps it)
         self._batch_size = config.max_num_seqs  # the most requests this step (micro-batches)
         self._recent_clients: dict[str, float] = {}  # client -> when it last had work
-        self._sitting_out: set[str] = set()  # over their client's step share (sharing)
         self.num_preemptions = 0
-        # why: "kv_cache" (none left), "fair_share" (another client's slot), "priority"
-        self.preemptions_by_reason: Counter[str] = Counter()
+        self.preemptions_by_reason: Counter[str] = Counter()  # kv_cache, fair_share, priority
         self._finished_ids: set[str] = set()  # since the last schedule(): for the runner
         self._grammar_failures: list[Request] = []  # finished since the last take
         self._now = 0.0  # the clock when this step was scheduled: its requests' stamps
@@ -158,8 +156,9 @@ class Scheduler(BatchSharing, InFlight, StepUpdates):
         self._spec_tokens = {}
         if self.speculator is not None:
             self.speculator.new_step()
-        share, self._batch_size = self._fair_share(), self._micro_batch_size()
-        self._sitting_out = self._rows_over_step_share()
+        clients = self._clients_with_work()
+        share, self._batch_size = self._fair_share(clients), self._micro_batch_size()
+        self._sitting_out = self._rows_over_step_share(clients)
         self._make_room_for_waiting_clients(share, preempted)
         if self.by_priority:
             self._make_room_for_priority(budget, preempted)

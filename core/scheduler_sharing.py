@@ -30,6 +30,7 @@ class BatchSharing:
     _preempt: Callable[[Request, str], None]  # the scheduler's (the request, why)
     _now: float
     _recent_clients: dict[str, float]
+    _sitting_out: set[str] = set()  # over their client's step share; replaced, never mutated
     _latest_idle: Callable[..., Request | None]  # core/scheduler_in_flight.py's
 
     def _make_room_for_priority(self, budget: int, preempted: list[Request]) -> None:
@@ -49,22 +50,24 @@ class BatchSharing:
             self._preempt(worst, "priority")
             preempted.append(worst)
 
-    def _fair_share(self) -> int | None:
-        """The batch slots each client may hold while several have requests running or
-        waiting (None with one client: it may take them all)."""
-        clients = {r.client for r in self.running}.union(self.waiting.clients)
+    def _clients_with_work(self) -> set[str]:
+        return {r.client for r in self.running}.union(self.waiting.clients)
+
+    def _fair_share(self, clients: set[str]) -> int | None:
+        """The batch slots each client may hold while several (``clients``) have requests
+        running or waiting (None with one client: it may take them all)."""
         if len(clients) <= 1:
             return None
         return max(1, self.config.max_num_seqs // len(clients))
 
-    def _rows_over_step_share(self) -> set[str]:
+    def _rows_over_step_share(self, clients: set[str]) -> set[str]:
         """The running requests that sit this step out: while other clients have had work
         within ``RECENT_CLIENT_SECONDS``, a client's requests fill at most its fair share of
         the step's slots, those scheduled longest ago first (round-robin). A step then stays
         short for the request another client sends next, which has to wait for the step in
         flight when it arrives; a client alone keeps the whole batch."""
         now, seen = self._now, self._recent_clients
-        for client in {r.client for r in self.running}.union(self.waiting.clients):
+        for client in clients:
             seen[client] = now
         for gone in [c for c, at in seen.items() if now - at > RECENT_CLIENT_SECONDS]:
             del seen[gone]
