@@ -55,7 +55,7 @@ class Server(LaunchedServer):
             if time.monotonic() - start > limit_s:
                 return None
             asyncio.run(run_workload(self.url, self.model, Workload(16, 4, 1, 1)))
-            time.sleep(poke_every_s)
+            time.sleep(max(0.0, min(poke_every_s, start + limit_s - time.monotonic())))
         return time.monotonic() - start
 
 

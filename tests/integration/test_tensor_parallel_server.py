@@ -106,14 +106,30 @@ def test_a_killed_worker_ends_streams_with_an_error_and_the_server(model):
         assert_a_killed_worker_fails_loudly(srv, model, workers[1])
 
 
+def _wait_for_tokens(url: str, tokens: float, limit_s: float = 60.0) -> None:
+    """Until the server's ``/metrics`` count ``tokens`` generated since it started."""
+    deadline = time.monotonic() + limit_s
+    while _generated(url) < tokens:
+        assert time.monotonic() < deadline, "no tokens were generated"
+        time.sleep(0.1)
+
+
+def _generated(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("tidal:generation_tokens_total"))
+
+
 def assert_a_killed_worker_fails_loudly(srv: Any, model: Path, worker: int) -> None:
     """``worker`` killed mid-stream: the stream ends with an error event and ``[DONE]``,
     ``/health`` turns 503 within 2 s, the server exits non-zero and leaves no process."""
     children = _children(srv.proc.pid)  # the workers and multiprocessing's helpers
+    before = _generated(srv.url)
     out: list[bytes] = []
     reader = threading.Thread(target=_stream, args=(srv.url, model, out))
     reader.start()
-    time.sleep(3.0)  # the stream is under way
+    _wait_for_tokens(srv.url, before + 16)  # the stream is under way
     assert reader.is_alive(), f"the stream ended early: {out}"
     os.kill(worker, signal.SIGKILL)
     killed = time.monotonic()
