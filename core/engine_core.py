@@ -20,6 +20,7 @@ from tidal.core.config import EngineConfig, load_tokenizer
 from tidal.core.executor import StepResult, create_executor
 from tidal.core.host_tier import HostTier
 from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.kv_window import window_group_for
 from tidal.core.lifecycle import TIMEOUT, Arrival
 from tidal.core.output_processor import OutputProcessor, ParentRequest
 from tidal.core.outputs import RequestOutput
@@ -102,7 +103,11 @@ class EngineCore:
         disk_blocks, disk_index = executor.disk_index()
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching,
                                  HostTier(host_blocks, disk_blocks, disk_index)
-                                 if host_blocks else None)
+                                 if host_blocks else None,
+                                 window_group_for(config, executor.model_config.layer_windows(),
+                                                  self.max_model_len))
+        if host_blocks and any(executor.model_config.layer_windows()):
+            logger.info("with the KV tier, sliding-window layers keep every block of a request")
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             compile_workers=config.grammar_compile_workers,

@@ -1,4 +1,5 @@
-"""Per-request KV block bookkeeping on top of the block pool: prefix hits and allocation."""
+"""Per-request KV block bookkeeping on top of the block pool: prefix hits and allocation; for
+a model with sliding-window layers, their own block group beside it (``core/kv_window.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from tidal.core.host_tier import HostTier, KVCopies, TierHit
+from tidal.core.kv_window import WindowBlocks, WindowGroup
 from tidal.core.request import Request, RequestStatus
 from tidal.core.swap_policy import SwapPolicy
 
@@ -18,7 +20,7 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, window: WindowGroup | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -35,6 +37,11 @@ class KVCacheManager:
         # once its blocks are allocated
         self.swap_policy = SwapPolicy()
         self._resume_method: dict[str, str] = {}
+        # the sliding-window layers' blocks, where the model has some (core/kv_window.py);
+        # ``self.pool`` is then the full-attention layers'
+        self.window = (WindowBlocks(window, window.pool_blocks(num_blocks), block_size,
+                                    enable_caching) if window is not None else None)
+        assert self.window is None or self.host is None, "the KV tier keeps one block group"
         if self.host is not None:
             self.pool.on_evict = self.host.store
             self.pool.recently_freed = set()
@@ -62,6 +69,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None:
+            del hits[self.window.longest_hit(request.request_id, request.block_hashes,
+                                             len(hits)):]
         host_hits = self._host_lookup(request, len(hits), max_blocks)
         num_hit = (len(hits) + len(host_hits)) * self.block_size
         self.stats.queries += request.num_tokens
@@ -104,10 +114,15 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_new = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
-        if num_new > self.pool.num_free_blocks - idle_hits:
+        num_new_window = self._window_room(request, total, len(computed_blocks),
+                                           num_computed_tokens)
+        if num_new > self.pool.num_free_blocks - idle_hits or num_new_window is None:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        if self.window is not None:
+            assert num_new_window is not None
+            self.window.allocate(request.request_id, num_new_window, len(computed_blocks))
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -128,6 +143,22 @@ class KVCacheManager:
             room = min(room, (self.num_cached_blocks[request.request_id] + 1) * self.block_size - 1)
         self._room[request.request_id] = room
         return new_blocks
+
+    def _window_room(self, request: Request, total: int, num_hit_blocks: int,
+                     num_hit_tokens: int) -> int | None:
+        """The window group's new blocks for ``total`` tokens (after giving back those left
+        behind); None when its pool cannot give them (0 without a window group)."""
+        if self.window is None:
+            return 0
+        self.window.free_behind(request.request_id,
+                                request.num_computed_tokens + num_hit_tokens)
+        return self.window.num_new(request.request_id, self.blocks_needed(total),
+                                   num_hit_blocks)
+
+    def take_new_window_block_ids(self) -> dict[str, list[int]]:
+        """The window group's blocks added to each table since the last call (a new
+        request's whole table); none without a window group. Called once a step."""
+        return self.window.take_added() if self.window is not None else {}
 
     def take_copies(self) -> KVCopies | None:
         """The second tier's copies for the step just scheduled (None: none). They run beside
@@ -156,13 +187,16 @@ class KVCacheManager:
         self._resume_method.pop(request.request_id, None)
         self._room.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (``BlockPool.reset_prefix_cache``); the hit counters stay, as
         counters do."""
         if self.host is not None:
             self.host.clear()
-        return self.pool.reset_prefix_cache()
+        window_empty = self.window.reset_prefix_cache() if self.window is not None else True
+        return self.pool.reset_prefix_cache() and window_empty
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -181,4 +215,6 @@ class KVCacheManager:
         end = num_tokens // self.block_size
         for i in range(start, end):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
+        if self.window is not None:
+            self.window.cache_blocks(request.request_id, request.block_hashes, start, end)
         self.num_cached_blocks[request.request_id] = max(start, end)

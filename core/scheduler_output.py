@@ -54,6 +54,9 @@ class SchedulerOutput:
     # Speculative decoding: the tokens proposed for a decoding request, run after its last
     # known token in this step's forward and verified there (vLLM V1's name)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the blocks added to the sliding-window layers' tables this step, new requests' whole
+    # tables included (core/kv_window.py); empty for a model with one block group
+    new_window_block_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -48,7 +48,7 @@ class CudaGraphRunner:
     replays it for decode-only steps."""
 
     def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
-                 max_model_len: int, device: str) -> None:
+                 max_model_len: int, device: str, windowed: bool = False) -> None:
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
@@ -60,6 +60,11 @@ class CudaGraphRunner:
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
             self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32)
             self.slot_mapping = torch.full((n,), -1, dtype=torch.long)
+            # the sliding-window layers' own table and slots (core/kv_window.py)
+            self.window_block_table = (torch.zeros(n, max_blocks_per_req, dtype=torch.int32)
+                                       if windowed else None)
+            self.window_slot_mapping = (torch.full((n,), -1, dtype=torch.long) if windowed
+                                        else None)
         self.graphs: dict[int, Replayable] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -104,6 +109,11 @@ class CudaGraphRunner:
         self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
         self.slot_mapping[n:size].fill_(-1)
+        if self.window_block_table is not None and self.window_slot_mapping is not None:
+            assert meta.window_block_table is not None and meta.window_slot_mapping is not None
+            self.window_block_table[:n, :width].copy_(meta.window_block_table, non_blocking=True)
+            self.window_slot_mapping[:n].copy_(meta.window_slot_mapping[:n], non_blocking=True)
+            self.window_slot_mapping[n:size].fill_(-1)
         self.graphs[size].replay()
         return self.outputs[size][:n]
 
@@ -120,4 +130,8 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
+            window_block_table=(self.window_block_table[:size]
+                                if self.window_block_table is not None else None),
+            window_slot_mapping=(self.window_slot_mapping[:size]
+                                 if self.window_slot_mapping is not None else None),
         )

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tidal.core.sampling_params import SamplingParams
-from tidal.core.scheduler_output import NewRequestData
+from tidal.core.scheduler_output import NewRequestData, SchedulerOutput
 from tidal.gpu.sampling_metadata import needs_metadata
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     num_blocks: int
+    num_window_blocks: int = 0  # filled of the sliding-window layers' table, where kept
     num_pending: int = 0  # sampled by a step whose result has not reached the host yet
     eos_token_id: int | None = None
     sampling: RowSampling | None = None  # the sampler's view of params, built on first use
@@ -39,7 +40,7 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: str) -> None:
+                 device: str, window_tables: bool = False) -> None:
         self.device = device
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         # The same memory as a memoryview: an id written through it skips numpy's indexing
@@ -47,6 +48,10 @@ class InputBatch:
         # way and 24 us as one fancy-indexed assignment.
         self._token_ids_view = memoryview(self.token_ids)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        # the sliding-window layers' tables, where they keep blocks of their own
+        # (core/kv_window.py); id 0, the null block, stands for a block left behind
+        self.window_block_table = (np.zeros_like(self.block_table) if window_tables
+                                   else None)
         self.states: dict[str, CachedRequestState] = {}
         # Generators of preempted seeded requests: resumed where they stopped, so a seed gives
         # the same tokens whether or not the request was preempted.
@@ -58,6 +63,19 @@ class InputBatch:
         # requests asking for prompt logprobs: while there are none, a step looks for no
         # prompt positions to score (gpu/prompt_logprobs.py)
         self.num_prompt_logprobs = 0
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Apply a step's changes: requests gone, new ones, blocks added."""
+        for req_id in sched.preempted_req_ids:
+            self.remove(req_id, keep_generator=True)
+        for req_id in sched.finished_req_ids:
+            self.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            self.add(new)
+        for req_id, block_ids in sched.new_block_ids.items():
+            self.add_blocks(req_id, block_ids)
+        for req_id, block_ids in sched.new_window_block_ids.items():
+            self.add_window_blocks(req_id, block_ids)
 
     def add(self, new: NewRequestData) -> None:
         self.remove(new.req_id, keep_generator=True)  # a resumed request comes back in full
@@ -81,6 +99,14 @@ class InputBatch:
         k = len(block_ids)
         self.block_table[state.row, state.num_blocks:state.num_blocks + k] = block_ids
         state.num_blocks += k
+
+    def add_window_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        assert self.window_block_table is not None
+        state = self.states[req_id]
+        k = len(block_ids)
+        self.window_block_table[state.row, state.num_window_blocks:state.num_window_blocks + k] \
+            = block_ids
+        state.num_window_blocks += k
 
     def remove(self, req_id: str, keep_generator: bool = False) -> None:
         """Drop a request's row; ``keep_generator`` parks its generator for its return."""

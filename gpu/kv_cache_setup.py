@@ -5,6 +5,7 @@ part reads on its own."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from tidal.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from tidal.core.host_tier import KVCopies
+from tidal.core.kv_window import WindowGroup, window_group_for
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, kv_quant
 from tidal.gpu.cuda_graphs import CudaGraphRunner
@@ -58,12 +60,18 @@ class KVCacheSetup:
             budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         else:
             budget = self._free_gpu_memory_for_kv()
+        draft = 0
         if self.drafter is not None:  # each block in the draft's layers too, and its scratch
             draft = self.drafter.bytes_per_token(self.kv_cache_quantized)
             per_token += draft
             budget -= self.drafter.num_scratch * self.block_size * draft
         per_block = self.block_size * per_token
         num_blocks = budget // per_block
+        group, windows = self.window_group, self.model_config.layer_windows()
+        if group is not None:  # the sliding layers' blocks are a pool apart
+            per_layer = self.block_size * (per_token - draft) // len(windows)
+            window_block = per_layer * sum(1 for w in windows if w)
+            num_blocks = group.full_blocks(budget, per_block - window_block, window_block)
         if num_blocks < 1:
             hint = ("raise kv_cache_memory" if self.device == "cpu" or self.config.kv_cache_memory
                     else "free GPU memory (other engines or processes hold it), raise "
@@ -116,12 +124,24 @@ class KVCacheSetup:
         k = spec.num_speculative_tokens if spec is not None else 0  # type: ignore[union-attr]
         return self.config.max_num_seqs * (1 + k)
 
+    @functools.cached_property
+    def window_group(self) -> WindowGroup | None:
+        """The sliding-window layers' block group, where they keep one (core/kv_window.py)."""
+        return window_group_for(self.config, self.model_config.layer_windows(),
+                                self.max_model_len)
+
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
-        cfg = self.shard_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        """Every layer's cache: ``num_blocks`` blocks, a sliding-window layer's its group's
+        pool (the profiling run, ``capture`` False, gives every layer the same blocks)."""
+        cfg, group = self.shard_config, self.window_group
+        sliding = (self.model_config.layer_windows() if group is not None and capture
+                   else (0,) * cfg.num_layers)
+        window_blocks = group.pool_blocks(num_blocks) if group is not None else num_blocks
         dtype = torch.int8 if self.kv_cache_quantized else self.dtype
-        self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [
+            kv_quant.allocate_layer((window_blocks if window else num_blocks, self.block_size,
+                                     cfg.num_kv_heads, cfg.head_dim), dtype, self.device)
+            for window in sliding]
         if capture and self.drafter is not None:
             self.drafter.allocate(num_blocks, self.kv_cache_quantized)
         if capture:  # the cache steps run on, not the profiling run's: its tiers too
@@ -196,5 +216,5 @@ class KVCacheSetup:
             return
         self.cuda_graphs = CudaGraphRunner(self.run_model, self.config.max_num_seqs,
                                            self.max_blocks_per_req, self.max_model_len,
-                                           self.device)
+                                           self.device, self.window_group is not None)
         self.cuda_graphs.capture()

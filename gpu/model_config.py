@@ -182,6 +182,11 @@ class ModelConfig:
                else self.intermediate_size)  # a MoE layer: the experts a token goes to
         return hidden * (2 * q + 2 * kv) + 3 * hidden * mlp
 
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention); empty for a model without any."""
+        facts = self.gemma or self.gpt_oss
+        return facts.layer_windows if facts is not None else ()
+
     def attention_cost_context(self) -> int:
         """The context length at which a token's attention over its cached positions takes as
         many FLOPs as its pass through the linear layers (per layer: the projections and the

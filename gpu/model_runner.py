@@ -40,6 +40,7 @@ from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
 from tidal.gpu.weight_shards import local_config
+from tidal.gpu.window_inputs import window_decode_inputs, window_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ModelRunner(KVCacheSetup):
                        else None)  # embeddings, nothing sampled (gpu/pooler.py)
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.max_blocks_per_req,
-                                config.device)
+                                config.device, window_tables=self.window_group is not None)
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         self.profiler = StepProfiler()
@@ -236,7 +237,7 @@ class ModelRunner(KVCacheSetup):
             upgraded = self._upgrades.poll()
             if upgraded is not None:
                 self._swap_in(upgraded)
-        self._update_states(sched)
+        self.batch.update(sched)
         drafted = None if self.drafter is None else self.drafter.note(self.batch, sched)
         handle = self._launch_target(sched, before_forward)  # the draft runs after it
         return handle if drafted is None else drafted.after(handle, self.step_modes)
@@ -293,16 +294,6 @@ class ModelRunner(KVCacheSetup):
         return StepHandle(self.batch, inputs.sampling_states, req_ids, sampled, prompt_scores,
                           spec)
 
-    def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.preempted_req_ids:
-            self.batch.remove(req_id, keep_generator=True)
-        for req_id in sched.finished_req_ids:
-            self.batch.remove(req_id)
-        for new in sched.scheduled_new_reqs:
-            self.batch.add(new)
-        for req_id, block_ids in sched.new_block_ids.items():
-            self.batch.add_blocks(req_id, block_ids)
-
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         batch_states = self.batch.states
         states = [batch_states[r] for r in sched.num_scheduled_tokens]
@@ -343,6 +334,9 @@ class ModelRunner(KVCacheSetup):
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens_cpu,
         )
+        if self.batch.window_block_table is not None:
+            window_inputs(meta, self.batch.window_block_table, rows, token_rows, positions, bs,
+                          to_dev)
         if spec:  # each sampling request's proposals and its last token give logits
             indices, rows = spec_rows([states[i] for i in sampling],
                                       cu[1:][np.asarray(sampling, dtype=np.int64)] - 1, spec,
@@ -380,6 +374,9 @@ class ModelRunner(KVCacheSetup):
             num_actual_tokens=n, query_start_loc=cu, seq_lens=seq_lens, block_table=block_table,
             slot_mapping=slots, max_query_len=1, max_seq_len=max_seq,
             query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=seq_lens_cpu)
+        if self.batch.window_block_table is not None:
+            window_decode_inputs(meta, self.batch, states, computed, self._decode_inputs,
+                                 self.block_size)
         every_request_samples = len(sampling) == n
         return StepInputs(
             input_ids=input_ids, positions=positions, meta=meta,

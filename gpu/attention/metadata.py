@@ -8,12 +8,16 @@ live in the paged cache at the blocks listed in ``block_table[i]``.
 KV cache layout per layer: ``key_cache`` and ``value_cache`` are each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; token at position ``p`` of request ``i``
 lives at slot ``block_table[i, p // block_size] * block_size + p % block_size``.
+
+A model whose sliding-window layers keep blocks of their own (``core/kv_window.py``) sends
+their table and slots too; those layers attend over ``windowed``, the same step seen through
+them.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +34,18 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, so no backend needs a device sync
     seq_lens_cpu: list[int]
+    # the sliding-window layers' own table and slots; None where they share the above
+    window_block_table: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
+
+    @functools.cached_property
+    def windowed(self) -> AttentionMetadata:
+        """This step as the sliding-window layers see it: their own table and slots."""
+        if self.window_block_table is None:
+            return self
+        return replace(self, block_table=self.window_block_table,
+                       slot_mapping=self.window_slot_mapping, window_block_table=None,
+                       window_slot_mapping=None)
 
     @property
     def num_reqs(self) -> int:

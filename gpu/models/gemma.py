@@ -7,8 +7,8 @@ logits and the final logits (``cap * tanh(x / cap)``); the MLP's activation is G
 approximation); every block is normed before and after (four norms a layer), each norm scaling
 by ``1 + weight``; the embedding is scaled by ``sqrt(hidden_size)``; and Gemma 3 norms q and k
 per head. Each layer hands its window and softcap to the attention backend with every call.
-The KV cache still keeps every position of a sliding layer: freeing the blocks that fall out of
-its window is left for later.
+The sliding layers' KV blocks are a group of their own, holding each request's window only
+(``core/kv_window.py``); a sliding layer attends over ``meta.windowed``.
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        meta = meta.windowed if self.window else meta  # the sliding layers' own blocks
         key_cache, value_cache, *scales = kv_cache
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
         out = self.backend.forward(q, key_cache, value_cache, meta, self.scale, *scales,
