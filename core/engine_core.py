@@ -101,12 +101,12 @@ class EngineCore:
             self.pooling is not None and self.pooling.needs_every_position)
         host_blocks = executor.host_blocks()
         disk_blocks, disk_index = executor.disk_index()
+        windows = executor.model_config.layer_windows()
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching,
                                  HostTier(host_blocks, disk_blocks, disk_index)
                                  if host_blocks else None,
-                                 window_group_for(config, executor.model_config.layer_windows(),
-                                                  self.max_model_len))
-        if host_blocks and any(executor.model_config.layer_windows()):
+                                 window_group_for(config, windows, self.max_model_len))
+        if host_blocks and any(windows):
             logger.info("with the KV tier, sliding-window layers keep every block of a request")
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
