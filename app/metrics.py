@@ -314,3 +314,10 @@ def _kv_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
     for method in ("swap", "recompute"):
         resumptions.add_metric([method], stats.resumptions_by_method.get(method, 0))
     yield resumptions
+    costs = GaugeMetricFamily(
+        "tidal:kv_resumption_cost_seconds_per_token", "What the choice between swap and "
+        "recompute compares: the measured seconds per token brought back by a copy from host "
+        "memory (swap_host) or disk (swap_disk), or by a prefill (recompute).", labels=["method"])
+    for method, seconds in sorted(stats.resumption_cost_per_token.items()):
+        costs.add_metric([method], seconds)
+    yield costs

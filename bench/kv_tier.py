@@ -5,13 +5,18 @@ benchmark Llama, two workloads:
   conversation so far; together they outgrow the device cache (``--kv-cache-blocks``), so a
   returning turn finds its earlier turns evicted. Its TTFT (p50, p90) without the tier, with
   the host tier, and with the host tier spilling to disk.
-- preemption: more concurrent requests than the device cache holds
-  (``--preempt-kv-cache-blocks``: four prompts' worth), so they preempt one another; output
-  tokens/s when every resumption copies its blocks back (swap), when every one recomputes
-  them, and when the engine chooses by measurement. The prompts are longer (512 tokens) than
-  the chat's because that is where the choice matters: a resumption's prefill grows faster
-  than its context (attention over it), its copy back only as fast; at a few hundred tokens on
-  a small model the two cost about the same, and both are a small part of the run.
+- preemption: a batch that preempts itself all through the run: short prompts (64 tokens)
+  and long outputs (448) on a device cache of 64 blocks (``--preempt-kv-cache-blocks``), so
+  the prompts all fit at once and their growth then runs the cache out again every few
+  blocks; the latest arrival is preempted, and the others' growth pushes its blocks out to
+  the host tier while it waits for room (dozens of preemptions, nearly every one resumed
+  from the tier). Output tokens/s when every
+  resumption copies its blocks back (swap), when every one recomputes them, and when the
+  engine chooses by measurement; with the preemptions, resumptions by method, blocks swapped
+  in and out, the tokens prefilled (first prompts and recomputed ones) and what the choice
+  compares (the measured milliseconds per token brought back by a copy or by a prefill).
+  A few preemptions in a long run (long prompts, short outputs) leave both ways a small part
+  of its time, which says nothing about either.
 
 Prints both of the issue's ratios: returning turns' TTFT p50 with the host tier over without
 (target: at most 0.5) and output tok/s resuming by swap over by recompute (target: 1.2).
@@ -93,12 +98,18 @@ def preemption(model: str, args: argparse.Namespace, method: str) -> dict[str, A
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    stats = llm.engine.stats()
+    stats, scheduled = llm.engine.stats(), llm.engine.profiler.num_tokens
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"output_tokens_per_s": tokens / seconds, "seconds": seconds,
             "preemptions": stats.num_preemptions, "resumptions": stats.resumptions_by_method,
-            "swapped_in_blocks": stats.host_tier_hits}
+            "swapped_out_blocks": stats.swapped_out_blocks,
+            "swapped_in_blocks": stats.host_tier_hits + stats.disk_tier_hits,
+            # the tokens computed by prefills, first prompts and resumptions alike: every
+            # token scheduled but those of decode steps (one a token sampled, bar the first)
+            "prefilled_tokens": scheduled - tokens + len(prompts),
+            "cost_ms_per_token": {way: 1000 * cost for way, cost
+                                  in stats.resumption_cost_per_token.items()}}
 
 
 def _host_name(info: dict[str, Any]) -> str:
@@ -118,11 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-len", type=int, default=96, help="user tokens a turn")
     ap.add_argument("--reply-len", type=int, default=32)
-    ap.add_argument("--preempt-kv-cache-blocks", type=int, default=128,
+    ap.add_argument("--preempt-kv-cache-blocks", type=int, default=64,
                     help="device blocks (16 tokens) of the preemption workload")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=448)
     ap.add_argument("--skip", choices=("chat", "preemption"), default=None,
                     help="leave one workload out")
     ap.add_argument("--name", default=None, help="the result file's name (default: "
@@ -148,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
               f"disk hits {run['disk_tier_hits']})")
     for name, run in preempt.items():
         print(f"preemption {name:10s} {run['output_tokens_per_s']:8.1f} output tok/s  "
-              f"({run['preemptions']} preemptions, resumptions {run['resumptions']})")
+              f"({run['preemptions']} preemptions, resumptions {run['resumptions']}, "
+              f"{run['swapped_in_blocks']} blocks swapped in, {run['prefilled_tokens']} "
+              f"tokens prefilled; measured ms/token {run['cost_ms_per_token']})")
     if chats:
         ratio = (chats["host"]["returning_ttft_p50_ms"] or 0) / (
             chats["no_tier"]["returning_ttft_p50_ms"] or float("inf"))

@@ -64,10 +64,25 @@ BENCH_SHAPES: dict[str, dict] = {
         model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, vocab_size=4000,
         tie_word_embeddings=False, max_position_embeddings=4096),
+    # The MoE serving target (issue 51): Qwen3-30B-A3B's own config (hidden 2048, 128 experts
+    # of width 768, 8 a token, renormalised; 32 query and 4 KV heads of 128; untied head over
+    # 151,936 tokens) with 4 of its 48 layers. All 48 are 30.5B parameters, 61 GB in bfloat16;
+    # 4 are 3.1B (6.2 GB in bfloat16, 12.4 GB as llama.cpp's f32 GGUF on disk), so the
+    # directory, the GGUFs and both servers (2-3.5 GB each in 4 bits) fit a 24 GiB host.
+    # A decode step still reads a real layer's 8 experts of 128 and the real head.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
+        rms_norm_eps=1e-6),
 }
 SHARD_BYTES = 1 << 30  # a checkpoint shard's size, as hub checkpoints split them
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=1024)
+# and a MoE shape's experts: still several, a token still choosing more than one
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 ALL_SHAPES: dict[str, dict] = SHAPES | BENCH_SHAPES
@@ -79,6 +94,8 @@ def shape_settings(name: str, tiny: bool = False) -> dict:
     settings = dict(ALL_SHAPES[name])
     if tiny:
         settings.update(TINY)
+        if "num_experts" in settings:
+            settings.update(TINY_MOE)
     return settings
 
 

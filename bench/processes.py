@@ -122,6 +122,15 @@ class LaunchedServer:
             time.sleep(0.5)
         raise TimeoutError("the server did not come up")
 
+    def memory(self) -> dict[str, float] | None:
+        """``tree_memory_mb`` of the server's process; None once it has exited."""
+        if self.proc.poll() is not None:
+            return None
+        try:
+            return tree_memory_mb(self.proc.pid)
+        except (OSError, KeyError):
+            return None
+
     def stop(self) -> None:
         if self.process_group and self.proc.poll() is None:
             stop_process_group(self.proc, 60)
@@ -160,6 +169,48 @@ class SglangRouter(LaunchedServer):
         """Replicas the router would send a request to now."""
         with urllib.request.urlopen(self.url + "/workers", timeout=10) as resp:
             return sum(w["is_healthy"] for w in json.load(resp)["workers"])
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """The process's resident set now (``VmRSS``) and at its peak (``VmHWM``), in MB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024 / 1e6
+    return {"rss_mb": round(fields["VmRSS"], 1), "peak_rss_mb": round(fields["VmHWM"], 1)}
+
+
+def descendants(pid: int) -> list[int]:
+    """The ids of ``pid``'s living child processes, their children, and so on."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited while we looked
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return found
+
+
+def tree_memory_mb(pid: int) -> dict[str, float]:
+    """``memory_mb`` summed over the process and its descendants (a server's worker
+    processes), with the process's own count beside: what serving from it keeps resident.
+    The peaks are each process's own, summed: an upper bound of the tree's peak."""
+    own = memory_mb(pid)
+    total = dict(own)
+    for child in descendants(pid):
+        try:
+            theirs = memory_mb(child)
+        except (OSError, KeyError):  # exited, or a zombie without a resident set
+            continue
+        total = {k: round(total[k] + theirs[k], 1) for k in total}
+    return total | {"main_rss_mb": own["rss_mb"]}
 
 
 @dataclass

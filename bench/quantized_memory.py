@@ -21,19 +21,9 @@ from pathlib import Path
 
 from bench.common import write_result
 from bench.model_shapes import ALL_SHAPES, build_shaped_model_dir
-from bench.processes import LaunchedServer
+from bench.processes import LaunchedServer, memory_mb
 
 DEFAULT_ARGS = ["--dtype", "bfloat16", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
-
-
-def memory_mb(pid: int) -> dict[str, float]:
-    """The process's resident set now (``VmRSS``) and at its peak (``VmHWM``), in MB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) * 1024 / 1e6
-    return {"rss_mb": round(fields["VmRSS"], 1), "peak_rss_mb": round(fields["VmHWM"], 1)}
 
 
 def complete(url: str, model: str, max_tokens: int) -> dict:

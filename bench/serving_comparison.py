@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -48,9 +46,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, bench_model_dir, write_result
+from bench.common import RESULTS_DIR, write_result
+from bench.comparison_model import (
+    add_model_args,
+    check_model_args,
+    model_params_m,
+    resolve_args_model,
+)
 from bench.load_generator import RequestClass, Workload, run_classes
-from bench.model_shapes import ALL_SHAPES
 from bench.peers import PEERS, Peer, add_peer_args, find_peers
 from bench.processes import LaunchedServer, wait_settled
 from bench.prompt_text import text_prompts
@@ -187,6 +190,7 @@ def run_servers(starters: dict[str, Callable[[], LaunchedServer]], args: argpars
                 runs[kind]["ready_after_s"] = time.perf_counter() - started
                 if kind == "tidal":  # measured once its background upgrades are in
                     runs[kind]["settled_after_s"] = wait_settled(server.url)
+                runs[kind]["memory_after_load"] = server.memory()
                 attempt(kind, partial(warm_up, server, kind, tokenizer, args.warmup))
         for scenario, round_classes in prepared:
             if args.scenario_warmup:
@@ -208,6 +212,7 @@ def run_servers(starters: dict[str, Callable[[], LaunchedServer]], args: argpars
                 reports.setdefault(kind, {})[scenario.name] = median_round(reps)
     finally:
         for kind, server in servers.items():
+            runs[kind]["memory_at_end"] = server.memory()  # its peak too
             server.stop()
             runs[kind]["load_average_end"] = os.getloadavg()[0]
 
@@ -249,13 +254,7 @@ QUICK = dict(concurrency=[1, 4], input_lens=[32], output_len=16, requests_per_co
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="HF model directory; 'default' for the embedded model (default: the "
-                    "random ~30M-parameter benchmark Llama)")
-    ap.add_argument("--shape", choices=list(ALL_SHAPES), default=None,
-                    help="instead of --model: a random float32 model of this shape "
-                    "(bench/model_shapes.py), built once under the temporary directory; "
-                    "llama-28m is the vLLM / llama.cpp comparison's")
+    add_model_args(ap)
     ap.add_argument("--peer", nargs="+", default=["transformers"], metavar="PEER",
                     help=f"one or several of {', '.join(PEERS)} (space or comma separated); "
                     "'all': every one that can be had here; 'none': tidal alone")
@@ -321,8 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_requests and len(args.num_requests) not in (1, len(args.concurrency)):
         ap.error(f"--num-requests takes one value or one per --concurrency value "
                  f"({len(args.concurrency)})")
-    if args.model and args.shape:
-        ap.error("--model and --shape are alternatives: give one")
+    check_model_args(ap, args)
     try:
         args.peer = peer_list(args.peer)
     except ValueError as exc:
@@ -354,41 +352,11 @@ def peer_list(values: list[str]) -> list[str]:
     return list(dict.fromkeys(expanded))
 
 
-def resolve_model(model: str | None, shape: str | None = None) -> str:
-    if shape:
-        import torch
-
-        from bench.model_shapes import build_shaped_model_dir
-
-        return str(build_shaped_model_dir(Path(tempfile.gettempdir()) / f"tidal-bench-{shape}",
-                                          shape, dtype=torch.float32))
-    if model == "default":
-        from tidal.core import DEFAULT_MODEL
-
-        if not DEFAULT_MODEL:
-            raise SystemExit("tidal has no embedded default model")
-        return str(DEFAULT_MODEL)
-    if model:
-        return model
-    return str(bench_model_dir(Path(tempfile.gettempdir()) / "tidal-bench-llama"))
-
-
-def model_params_m(model: str) -> float | None:
-    """Millions of parameters in the model directory's safetensors files."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in Path(model).glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    return round(total / 1e6, 1) if total else None
-
-
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    model = resolve_model(args.model, args.shape)
+    model = resolve_args_model(args)
     tokenizer = AutoTokenizer.from_pretrained(model)
     scenarios = plan(args)
     peers, skipped = find_peers(args.peer, args, model, plan_needs(scenarios))

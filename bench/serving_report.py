@@ -125,6 +125,12 @@ def markdown(result: dict[str, Any], ours: str = "tidal") -> str:
         parts += [f"## Ratios {ours} / {peer} (throughput: higher is better; latency: lower "
                   "is better)", "", ratio_table(result, ours, peer), ""]
     parts += ["## Absolute numbers", "", absolute_table(result), ""]
+    memory = memory_table(meta.get("runs") or {}, ours)
+    if memory:
+        parts += ["## Resident memory", "",
+                  "MB of each server's process and its children (VmRSS; the peak: each "
+                  "process's VmHWM, summed), once it was ready and after the last workload; "
+                  "the ratio is ours / the server's at the end.", "", memory, ""]
     phases = phases_table(result, ours)
     if phases:
         parts += [f"## Where {ours}'s time went", "",
@@ -158,3 +164,23 @@ def rounds_table(result: dict[str, Any]) -> str:
         return ""
     return "\n".join(["| workload | server | output tok/s of each round |", "|---|---|---|",
                       *lines])
+
+
+def memory_table(runs: dict[str, dict], ours: str = "tidal") -> str:
+    """Each server's resident memory after loading and at the end of the run (``runs``: the
+    results' ``setup.runs``), and ours over it at the end; empty for results without it."""
+    def rss(run: dict, when: str, key: str = "rss_mb") -> float | None:
+        return (run.get(when) or {}).get(key)
+
+    lines = []
+    for server, run in runs.items():
+        end, ours_end = rss(run, "memory_at_end"), rss(runs.get(ours, {}), "memory_at_end")
+        if rss(run, "memory_after_load") is None and end is None:
+            continue
+        ratio = f"{ours_end / end:.2f}x" if end and ours_end and server != ours else "-"
+        lines.append(f"| {server} | {_fmt(rss(run, 'memory_after_load'))} | {_fmt(end)} | "
+                     f"{_fmt(rss(run, 'memory_at_end', 'peak_rss_mb'))} | {ratio} |")
+    if not lines:
+        return ""
+    return "\n".join(["| server | RSS after load | RSS at end | peak | ours / server |",
+                      "|---|---|---|---|---|", *lines])

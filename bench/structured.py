@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_result
+from bench.comparison_model import model_params_m, resolve_model
 from bench.load_generator import (
     Workload,
     request_body,
@@ -50,7 +51,6 @@ from bench.load_generator import (
 from bench.model_shapes import ALL_SHAPES
 from bench.processes import LaunchedServer
 from bench.prompt_text import text_prompts
-from bench.serving_comparison import model_params_m, resolve_model
 from bench.structured_report import ARMS, compile_summary, markdown, ratios, summarize_arms
 from bench.structured_stream import Reply, send_all, validity
 from bench.structured_workload import MID_SCHEMA

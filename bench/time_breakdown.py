@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from bench.comparison_model import resolve_model
     from bench.processes import LaunchedServer
-    from bench.serving_comparison import resolve_model
 
     mixes = QUICK if args.quick else FULL
     server = None

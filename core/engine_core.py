@@ -69,6 +69,7 @@ class EngineStats:
     # preempted requests resumed with second-tier blocks: "swap" (copied back) or
     # "recompute" (computed again), whichever was measured cheaper (core/swap_policy.py)
     resumptions_by_method: dict[str, int] = field(default_factory=dict)
+    resumption_cost_per_token: dict[str, float] = field(default_factory=dict)  # what it compares
     spec_decode_num_drafts: int = 0  # runs of speculative tokens verified
     spec_decode_num_draft_tokens: int = 0  # speculative tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which the target accepted
@@ -127,9 +128,9 @@ class EngineCore:
         self._in_flight = None  # the launched step whose tokens are not processed yet
         # with pipeline stages: the steps in flight, oldest first, and the requests each holds
         self._pipe: deque[tuple[StepResult, list[str]]] = deque()
-        # speculation with async scheduling: which steps speculate, by measurement
-        self.spec_modes = (StepModes() if config.async_scheduling
-                           and config.speculative_config is not None else None)
+        # speculative decoding: which steps speculate, by measurement (core/spec_mode.py)
+        speculator = self.scheduler.speculator
+        self.spec_modes: StepModes | None = speculator.modes if speculator else None
         # with a second tier: each step in flight's schedule and launch time (swap_policy)
         self._launches: dict[int, tuple[SchedulerOutput, float]] = {}
         # (deadline, tie-breaker, parent) of requests with a timeout: a heap, so a step looks
@@ -231,6 +232,7 @@ class EngineCore:
         early, speculate = self._choose_mode()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
+        sched.propose_drafts = speculate  # a draft model guesses after a speculating step
         self._finished_elsewhere += self.scheduler.take_grammar_failures()
         prof.lap("schedule")
         if sched.is_empty and self._in_flight is None and not self._pipe:
@@ -248,17 +250,18 @@ class EngineCore:
             self._in_flight = None if sched.is_empty else handle
             outputs = early + self._process(previous)
             if self.spec_modes is not None and previous is not None:  # a run of async steps
-                self.spec_modes.observe_async(sched, time.perf_counter() - started)
+                self.spec_modes.observe_plain(sched, time.perf_counter() - started)
             return outputs
         speculator = self.scheduler.speculator
         accepted = speculator.stats.num_accepted_tokens if speculator is not None else 0
         outputs = early + self._process(handle)
-        if speculator is not None and not sched.is_empty:
-            speculator.observe_step(sched.total_num_scheduled_tokens,
-                                    time.perf_counter() - launched)
-            if self.spec_modes is not None:
-                self.spec_modes.observe_spec(sched, time.perf_counter() - started,
-                                             speculator.stats.num_accepted_tokens - accepted)
+        if speculator is not None and not sched.is_empty:  # the measures of its mode
+            now = time.perf_counter()
+            if speculate:
+                speculator.observe_step(sched.total_num_scheduled_tokens, now - launched)
+            speculator.modes.observe_step(sched, speculate, now - started,
+                                          speculator.stats.num_accepted_tokens - accepted,
+                                          runs_only=not self.config.async_scheduling)
         return outputs
 
     def _through_pipe(self, sched: SchedulerOutput, handle: StepResult) -> list[RequestOutput]:
@@ -285,11 +288,11 @@ class EngineCore:
         return outputs
 
     def _choose_mode(self) -> tuple[list[RequestOutput], bool]:
-        """Whether this step speculates (with async scheduling, as measured to pay:
-        ``core/spec_mode.py``); if it does, the step in flight is processed first, so the
-        proposals follow the newest tokens, and its outputs are returned."""
+        """Whether this step speculates (as measured to pay: ``core/spec_mode.py``); if it
+        does, the step in flight is processed first, so the proposals follow the newest
+        tokens, and its outputs are returned."""
         if self.spec_modes is None:
-            return [], self.scheduler.speculator is not None
+            return [], False
         speculator = self.scheduler.speculator
         assert speculator is not None
         speculator.active = self.spec_modes.choose(self.scheduler.running)
@@ -383,7 +386,8 @@ class EngineCore:
                 "disk_tier_blocks": host.num_disk_blocks, "disk_tier_used": host.num_used_disk,
                 "disk_tier_stored": stats.disk_stored, "disk_tier_hits": stats.disk_hits,
                 "swapped_out_blocks": stats.stored + stats.disk_direct,
-                "resumptions_by_method": dict(self.kv.swap_policy.resumptions)}
+                "resumptions_by_method": dict(self.kv.swap_policy.resumptions),
+                "resumption_cost_per_token": self.kv.swap_policy.costs(self.kv.block_size)}
 
     def _spec_stats(self) -> dict[str, Any]:
         speculator = self.scheduler.speculator

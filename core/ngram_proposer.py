@@ -15,24 +15,23 @@ import numpy as np
 def propose_ngram(token_ids: list[int] | np.ndarray, k: int, n_min: int, n_max: int
                   ) -> list[int]:
     """Up to ``k`` tokens following the most recent earlier match of the last ``n`` tokens of
-    ``token_ids`` (the longest ``n`` in ``[n_min, n_max]`` that matches); [] if none does."""
+    ``token_ids`` (the longest ``n`` in ``[n_min, n_max]`` that matches); [] if none does.
+
+    One pass over the tokens finds the earlier places of the last token; each longer ``n``
+    only narrows those down (a window view per ``n`` cost several times as much, for every
+    decoding request in every speculating step)."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     total = tokens.size
     if k <= 0 or total < n_min + 1:
         return []
+    ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])  # where a match could end
     for n in range(min(n_max, total - 1), n_min - 1, -1):
-        start = _latest_match(tokens, n)
-        if start >= 0:
-            follow = tokens[start + n:start + n + k]
-            return follow.tolist()
+        hits = ends[ends >= n - 1]
+        for j in range(1, n):
+            if not hits.size:
+                break
+            hits = hits[tokens[hits - j] == tokens[total - 1 - j]]
+        if hits.size:
+            follow = int(hits[-1]) + 1
+            return tokens[follow:follow + k].tolist()
     return []
-
-
-def _latest_match(tokens: np.ndarray, n: int) -> int:
-    """The start of the latest window of ``n`` tokens before the last ``n`` equal to them;
-    -1 if there is none."""
-    total = tokens.size
-    # windows starting at 0 .. total - n - 1: the suffix itself is not one
-    windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
-    hits = np.nonzero((windows == tokens[total - n:]).all(axis=1))[0]
-    return int(hits[-1]) if hits.size else -1

@@ -57,6 +57,9 @@ class SchedulerOutput:
     # the blocks added to the sliding-window layers' tables this step, new requests' whole
     # tables included (core/kv_window.py); empty for a model with one block group
     new_window_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # speculative draft_model: whether the draft follows this step and guesses for the next
+    # (off in a plain step: the draft catches up once a step speculates again)
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

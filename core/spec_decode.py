@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tidal.core.ngram_proposer import propose_ngram
 from tidal.core.request import Request
+from tidal.core.spec_mode import StepModes
 from tidal.core.spec_policy import SpecPolicy
 from tidal.core.speculative_config import SpeculativeConfig
 from tidal.core.suffix_proposer import SuffixProposer
@@ -50,9 +51,10 @@ class Speculator:
                        if config.method == "suffix" else None)
         self.stats = SpecDecodeStats()
         self.policy = SpecPolicy()  # how many proposals pay, by measurement
-        # with async scheduling the engine says each step whether it speculates
+        # the engine says each step whether it speculates, as measured to pay
         # (core/spec_mode.py); a seeded sampling request then never does, so its tokens do
         # not depend on which steps did
+        self.modes = StepModes()
         self.active = True
         self.async_scheduling = async_scheduling
         self._in_step: dict[str, int] = {}  # request id -> proposals in the step running
@@ -70,7 +72,7 @@ class Speculator:
         with."""
         params = request.sampling_params
         if not (request.num_output_tokens and self.active) or (
-                self.async_scheduling and params.seed is not None and not params.greedy):
+                params.seed is not None and not params.greedy and self.steps_vary):
             return []
         cfg = self.config
         k = min(cfg.num_speculative_tokens, budget - 1,
@@ -94,6 +96,12 @@ class Speculator:
                 return []
             drafts = self.structured.allowed_prefix(request.request_id, drafts)
         return drafts
+
+    @property
+    def steps_vary(self) -> bool:
+        """Whether some steps may run without proposals: chosen by measurement, or with async
+        scheduling (whose steps without the step in flight processed have none)."""
+        return self.async_scheduling or self.modes.forced is not True
 
     def drafted(self, request: Request, drafts: list[int]) -> None:
         """The draft model proposed ``drafts`` to follow ``request``'s known tokens."""

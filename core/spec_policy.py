@@ -28,14 +28,19 @@ class StepCost:
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
 
     def observe(self, rows: int, seconds: float) -> None:
+        self.fade()
         s = self._sums
-        for i in range(5):
-            s[i] *= self.decay
         s[0] += 1.0
         s[1] += rows
         s[2] += seconds
         s[3] += rows * rows
         s[4] += rows * seconds
+
+    def fade(self) -> None:
+        """Weigh the steps seen so far down by ``decay``, as one more step does."""
+        s = self._sums
+        for i in range(5):
+            s[i] *= self.decay
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)``, or None before the rows have varied enough to tell ``b``."""

@@ -59,3 +59,14 @@ class SwapPolicy:
         # a disk block is read into host memory, then copied in from there (HostTier.load_hit)
         copy += num_disk * (self.copy_per_block["host"].value or 0.0)
         return copy <= prefill * (num_host + num_disk) * block_size
+
+    def costs(self, block_size: int) -> dict[str, float]:
+        """The measured seconds per token brought back, by way ("swap_host", "swap_disk",
+        "recompute"), those measured so far: what the choice compares (the metrics')."""
+        out = {f"swap_{tier}": mean.value / block_size
+               for tier, mean in self.copy_per_block.items() if mean.value is not None}
+        if "swap_disk" in out:  # read into host memory, then copied in from there
+            out["swap_disk"] += out.get("swap_host", 0.0)
+        if self.prefill_per_token.value is not None:
+            out["recompute"] = self.prefill_per_token.value
+        return out

@@ -4,11 +4,13 @@ model runner right after the target's step, whose greedy guesses the next step v
 
 The draft's layers have KV tensors of their own but share the target's block ids: a request's
 block table addresses both caches, so chunked prefill, prefix caching, preemption and
-roll-back need nothing of their own. Each step the draft
-- runs the tokens the target's step computed and kept (a prefill chunk; a decode's last token
-  and accepted proposals), plus, for a request that sampled, its new last token: its KV then
-  holds every known token the target's does, and its logits there give the first proposal;
+roll-back need nothing of their own. After each speculating step the draft
+- runs the tokens the target computed and kept since the draft last ran (a prefill chunk; a
+  decode's last token and accepted proposals; what plain steps computed without it), plus, for
+  a request that sampled, its new last token: its KV then holds every known token the target's
+  does, and its logits there give the first proposal;
 - then runs ``k - 1`` one-token forwards, each from its own previous guess.
+A plain step (``SchedulerOutput.propose_drafts`` off) runs no draft forward at all.
 Positions past a request's known tokens are written before they are read (the next step's
 catch-up writes them again with the verified tokens), so a rejected guess's KV is never read.
 Positions past the blocks the scheduler gave a request go to scratch blocks after the shared
@@ -18,6 +20,7 @@ ones, the draft's alone: each step's guesses need them only within that step.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +114,8 @@ class DraftRunner:
         self.path, self.device, self.dtype = path, config.device, dtype
         self.k = spec.num_speculative_tokens
         self.block_size, self.max_model_len = config.block_size, max_model_len
+        # the most tokens one catch-up forward runs: a step's, and each request's new token
+        self.max_rows = config.max_num_batched_tokens + config.max_num_seqs
         self.max_blocks = -(-max_model_len // config.block_size)
         self.scratch_per_seq = self.k // config.block_size + 2
         self.num_scratch = config.max_num_seqs * self.scratch_per_seq
@@ -140,8 +145,8 @@ class DraftRunner:
     def note(self, batch: InputBatch, sched: SchedulerOutput) -> DraftedHandle | None:
         """What ``sched`` runs, noted before the runner advances its requests (None for an
         empty step): the draft follows it once its tokens are known."""
-        if sched.is_empty:
-            return None
+        if sched.is_empty or not sched.propose_drafts:
+            return None  # a plain step: the draft catches up when one speculates again
         states = [batch.states[r] for r in sched.num_scheduled_tokens]
         return DraftedHandle(self, batch, DraftStep(
             states, [s.num_computed_tokens for s in states],
@@ -155,8 +160,8 @@ class DraftRunner:
         sampling = [i for i, s in enumerate(step.states) if s.req_id in step.sampled]
         if not catch_up.index:
             return {}
-        guesses = self._forward(catch_up, table, [catch_up.index.index(i) for i in sampling])
-        proposals = {step.states[i].req_id: [g] for i, g in zip(sampling, guesses)}
+        first = self._catch_up(catch_up, table, set(sampling))
+        proposals = {step.states[i].req_id: [first[i]] for i in sampling}
         for j in range(1, self.k):
             live = [i for i in sampling if ends[i] - 1 + j < self.max_model_len]
             if not live:
@@ -170,18 +175,46 @@ class DraftRunner:
         return proposals
 
     def _catch_up_rows(self, batch: InputBatch, step: DraftStep) -> tuple[_Rows, list[int]]:
-        """Each request's tokens the target computed and kept this step, and a sampling
-        request's new last token; and where each request's tokens end."""
+        """Each request's tokens the target computed and kept this step (and before it, in
+        steps the draft did not follow), and a sampling request's new last token; and where
+        each request's tokens end."""
         rows = _Rows([], [], [])
         ends = []
         for i, (state, start, count) in enumerate(zip(step.states, step.starts, step.counts)):
             end = state.num_tokens if state.req_id in step.sampled else start + count
+            begin, state.draft_len = min(state.draft_len, start), end
             ends.append(end)
-            if end > start:
+            if end > begin:
                 rows.index.append(i)
-                rows.ids.append(batch.token_ids[state.row, start:end])
-                rows.positions.append(np.arange(start, end, dtype=np.int64))
+                rows.ids.append(batch.token_ids[state.row, begin:end])
+                rows.positions.append(np.arange(begin, end, dtype=np.int64))
         return rows, ends
+
+    def _catch_up(self, rows: _Rows, table: np.ndarray, sampling: set[int]) -> dict[int, int]:
+        """Run the catch-up ``rows`` in forwards of at most the step's token budget (a draft
+        that lagged may have many); the first guess of each request in ``sampling``."""
+        pieces = [[(i, ids[j:j + self.max_rows], pos[j:j + self.max_rows])
+                   for j in range(0, len(ids), self.max_rows)]
+                  for i, ids, pos in zip(rows.index, rows.ids, rows.positions)]
+        forwards: list[_Rows] = []
+        for round_ in itertools.zip_longest(*pieces):  # a request's pieces in order
+            size = self.max_rows
+            for i, ids, pos in filter(None, round_):
+                if size + len(ids) > self.max_rows:
+                    forwards.append(_Rows([], [], []))
+                    size = 0
+                forwards[-1].index.append(i)
+                forwards[-1].ids.append(ids)
+                forwards[-1].positions.append(pos)
+                size += len(ids)
+        ends = {i: pos[-1] for i, pos in zip(rows.index, rows.positions)}
+        guesses: dict[int, int] = {}
+        for part in forwards:
+            last = [j for j, i in enumerate(part.index)
+                    if i in sampling and part.positions[j][-1] == ends[i]]
+            for j, g in zip(last, self._forward(part, table, last)):
+                guesses[part.index[j]] = g
+        return guesses
 
     def _block_table(self, batch: InputBatch, step: DraftStep) -> np.ndarray:
         """The step's requests' block tables, the blocks past each one's own given its
@@ -222,6 +255,8 @@ class DraftRunner:
         hidden = self.cpu.forward(ids, pos, self.kv_caches, meta) if self.cpu else None
         if hidden is None:
             hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not logit_rows:
+            return []
         last = dev(cu[1:][np.asarray(logit_rows, dtype=np.int64)] - 1)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         return logits.argmax(dim=-1).tolist()

@@ -110,29 +110,36 @@ class KVDiskTier:
     def clear(self) -> None:
         self.rows[:, :HASH_BYTES] = 0
 
-    def write(self, slot: int, block_hash: bytes, caches: list[LayerCache],
-              index: int) -> None:
-        """Write block ``index`` of ``caches`` (the host tier's, or the device's) into disk
-        slot ``slot``."""
-        row = self.rows[slot]
-        row[:HASH_BYTES] = 0
+    def write(self, slots: list[int], block_hashes: list[bytes], caches: list[LayerCache],
+              indices: list[int]) -> None:
+        """Write blocks ``indices`` of ``caches`` (the host tier's, or the device's) into disk
+        slots ``slots``, all at once: per tensor one gather of the blocks, then the rows."""
+        if not slots:
+            return
+        rows = np.asarray(slots, dtype=np.int64)
+        index = torch.as_tensor(indices, dtype=torch.int64, device=caches[0][0].device)
+        parts = [t.index_select(0, index).to("cpu").reshape(len(slots), -1).view(torch.uint8)
+                 for layer in caches for t in layer]
+        self.rows[rows, :HASH_BYTES] = 0  # cleared, so a row cut short reads as empty
+        self.rows[rows, HASH_BYTES:] = torch.cat(parts, dim=1).numpy()
+        self.rows[rows, :HASH_BYTES] = np.frombuffer(b"".join(block_hashes), dtype=np.uint8
+                                                     ).reshape(len(slots), HASH_BYTES)
+
+    def read(self, slots: list[int], caches: list[LayerCache], indices: list[int]) -> None:
+        """Copy disk slots ``slots``' blocks into blocks ``indices`` of ``caches`` (the host
+        tier's, or the device's), all at once: one read of the rows, then per tensor one
+        scatter."""
+        if not slots:
+            return
+        rows = torch.from_numpy(self.rows[np.asarray(slots, dtype=np.int64)])
+        on = caches[0][0].device
+        index = torch.as_tensor(indices, dtype=torch.int64, device=on)
         at = HASH_BYTES
         for layer in caches:
             for t in layer:
-                raw = t[index].to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-                row[at:at + raw.size] = raw
-                at += raw.size
-        row[:HASH_BYTES] = np.frombuffer(block_hash, dtype=np.uint8)
-
-    def read(self, slot: int, device_caches: list[LayerCache], device_block: int) -> None:
-        """Copy disk slot ``slot``'s block into device block ``device_block``."""
-        row = torch.from_numpy(np.asarray(self.rows[slot]))
-        at = HASH_BYTES
-        for layer in device_caches:
-            for t in layer:
                 n = t[0].numel() * t.element_size()
-                block = row[at:at + n].clone().view(t.dtype).view(t.shape[1:])
-                t[device_block].copy_(block, non_blocking=False)
+                blocks = rows[:, at:at + n].contiguous().view(t.dtype).view(-1, *t.shape[1:])
+                t.index_copy_(0, index, blocks.to(on, non_blocking=False))
                 at += n
 
     def flush(self) -> None:

@@ -57,8 +57,8 @@ class KVHostTier:
                                         else gate)
             if disk is not None and copies.from_disk:
                 start = time.perf_counter()
-                for disk_slot, device_block in copies.from_disk:
-                    disk.read(disk_slot, device_caches, device_block)
+                disk_slots, device_blocks = _columns(copies.from_disk)
+                disk.read(disk_slots, device_caches, device_blocks)
                 sync()
                 had = timing.get("disk", (0, 0.0))
                 timing["disk"] = (had[0] + len(copies.from_disk),
@@ -81,14 +81,15 @@ class KVHostTier:
         """The copies of whole rows, before the layers'."""
         if copies.clear_disk:
             disk.clear()
-        for host_slot, disk_slot, block_hash in copies.to_disk:
-            disk.write(disk_slot, block_hash, self.caches, host_slot)
-        for device_block, disk_slot, block_hash in copies.out_to_disk:
-            disk.write(disk_slot, block_hash, device_caches, device_block)
+        for spilled, caches in ((copies.to_disk, self.caches),
+                                (copies.out_to_disk, device_caches)):
+            if spilled:
+                blocks, disk_slots, block_hashes = _columns(spilled)
+                disk.write(disk_slots, block_hashes, caches, blocks)
         if copies.promote:  # kept in host memory, then copied in from there
             start = time.perf_counter()
-            for disk_slot, host_slot in copies.promote:
-                disk.read(disk_slot, self.caches, host_slot)
+            disk_slots, host_slots = _columns(copies.promote)
+            disk.read(disk_slots, self.caches, host_slots)
             timing["disk"] = (len(copies.promote), time.perf_counter() - start)
 
     def _layers(self, copies: KVCopies, device_caches: list[LayerCache],
@@ -98,20 +99,29 @@ class KVHostTier:
         if not device_caches:
             return 0.0
         on = device_caches[0][0].device
-        out = [t.to(on) if i == 0 else t for i, t in enumerate(_indices(copies.out))]
-        into = [t.to(on) if i == 1 else t for i, t in enumerate(_indices(copies.into))]
+        out_from, out_to = _indices(copies.out)
+        into_from, into_to = _indices(copies.into)
+        out_from, into_to = out_from.to(on), into_to.to(on)
         into_seconds = 0.0
+        # per tensor one gather and one scatter of all the step's blocks (index_select and
+        # index_copy_: a plain copy per row, where indexing goes through the general kernel)
         for layer, (dev_layer, host_layer) in enumerate(zip(device_caches, self.caches)):
             for dev, kept in zip(dev_layer, host_layer):
                 if copies.out:
-                    kept[out[1]] = dev[out[0]].to("cpu")
+                    kept.index_copy_(0, out_to, dev.index_select(0, out_from).to("cpu"))
                 if copies.into:
                     start = time.perf_counter()
-                    dev[into[1]] = kept[into[0]].to(on, non_blocking=True)
+                    dev.index_copy_(0, into_to, kept.index_select(0, into_from).to(
+                        on, non_blocking=True))
                     into_seconds += time.perf_counter() - start
             if gate is not None:
                 gate.open(layer)
         return into_seconds
+
+
+def _columns(rows: list[tuple]) -> list[list]:
+    """A step's copies (tuples) as their columns: the sources, the targets, ..."""
+    return [list(column) for column in zip(*rows)]
 
 
 def _indices(pairs: list[tuple[int, int]]) -> list[torch.Tensor]:

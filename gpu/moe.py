@@ -151,8 +151,15 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 weights: torch.Tensor, ids: torch.Tensor, routing: Routing,
                 extras: ExpertExtras = PLAIN) -> torch.Tensor:
     """The pairs sorted by expert, each expert's GEMMs over its own rows. ``gate_up`` and
-    ``down``: the stacked matrices, or each expert's quantized linear (``QuantExperts``)."""
+    ``down``: the stacked matrices, or each expert's quantized linear (``QuantExperts``).
+    A lone row (decode at concurrency 1, where quantized experts always come here) runs its
+    experts in the order routing chose them, without the sort, the per-expert counts and the
+    pass over every expert, which add a few torch calls and a Python loop to each layer."""
     tokens, top_k = ids.shape
+    if tokens == 1:  # its top_k experts are distinct: no sort, no pass over every expert
+        outputs = torch.cat([expert_mlp(x, gate_up[e], down[e], extras, e)
+                             for e in ids[0].tolist()])
+        return weighted_sum(outputs.view(1, top_k, x.shape[1]), weights, routing)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair i of the sorted rows is pair order[i]
     counts = torch.bincount(flat, minlength=len(gate_up)).tolist()

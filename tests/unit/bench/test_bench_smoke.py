@@ -274,7 +274,7 @@ def test_comparison_run_against_tidal_alone(tiny_model: Path, tmp_path: Path,
         for cls in scenario["reports"]["tidal"]["classes"].values():
             assert cls["failed"] == 0 and cls["completed"] > 0
         assert len(scenario["reports"]["tidal"]["round_output_tok_per_s"]) == 2
-    assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5 + 4  # 4 in Rounds
+    assert (tmp_path / "smoke.md").read_text().count("| tidal |") == 5 + 4 + 1  # Rounds, memory
     assert "## Where tidal's time went" in (tmp_path / "smoke.md").read_text()
     assert (tmp_path / "smoke_throughput.png").is_file()
 

@@ -72,6 +72,9 @@ def test_the_measured_cheaper_way_back_is_chosen():
     assert policy.swap(0, 1, 16), "the disk's copies are not measured yet"
     policy.record_copies({"disk": (1, 1.0)})  # a second a block: slower than 16 tokens
     assert not policy.swap(2, 1, 16) and policy.swap(2, 0, 16)
+    costs = policy.costs(16)  # per token: a disk block is read, then copied in from host
+    assert costs == pytest.approx({"swap_host": 0.001 / 16, "swap_disk": 1.001 / 16,
+                                   "recompute": 0.001})
 
 
 @pytest.mark.gpu
@@ -147,6 +150,10 @@ def test_a_preempted_request_resumes_alike_by_swap_and_by_recompute(tmp_path: Pa
         count = stats.resumptions_by_method[method]
         assert f'tidal:kv_resumptions_total{{method="{method}"}} {count}.0' in metrics
         assert f"tidal:kv_swapped_in_blocks_total {stats.host_tier_hits}.0" in metrics
+        measured = {"recompute"} | ({"swap_host"} if method == "swap" else set())
+        assert set(stats.resumption_cost_per_token) == measured  # what the choice compares
+        for way in measured:
+            assert f'tidal:kv_resumption_cost_seconds_per_token{{method="{way}"}}' in metrics
         for g, w in zip(got, want):
             _same_outputs(g.outputs[0], w.outputs[0])
 

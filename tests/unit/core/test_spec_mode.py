@@ -32,7 +32,7 @@ def _step(modes: StepModes, running: list[Request], t_async: float, t_spec: floa
         modes.observe_spec(sched, t_spec, round(accepted_per_request * n))
     else:
         sched = SchedulerOutput([], {}, {r.request_id: 1 for r in running}, n)
-        modes.observe_async(sched, t_async)
+        modes.observe_plain(sched, t_async)
     return speculate
 
 
@@ -86,3 +86,20 @@ def test_one_stalled_step_does_not_decide():
     modes.observe_spec(SchedulerOutput([], {}, {"r0": 3}, 3, scheduled_spec_decode_tokens={
         "r0": [5, 6]}), 1.0, 2)  # the host stalled for a second
     assert modes.pays(1) and modes.choose(running)
+
+
+def test_with_async_scheduling_off_the_first_step_of_a_run_is_not_measured():
+    """It pays for the switch (a draft model catching up, its proposals not made yet)."""
+    modes = StepModes()
+    ids = [r.request_id for r in _decoding(2)]
+    plain = SchedulerOutput([], {}, dict.fromkeys(ids, 1), 2)
+    spec = SchedulerOutput([], {}, dict.fromkeys(ids, 3), 6,
+                           scheduled_spec_decode_tokens=dict.fromkeys(ids, [5, 6]))
+    modes.observe_step(spec, True, 5.0, 0, runs_only=True)
+    assert modes.spec_cost.predict(2) is None and modes.spec_yield is None
+    modes.observe_step(spec, True, 0.015, 2, runs_only=True)
+    assert modes.spec_cost.predict(2) == 0.015 and modes.spec_yield == 2.0
+    modes.observe_step(plain, False, 5.0, 0, runs_only=True)
+    assert modes.plain_cost.predict(2) is None
+    modes.observe_step(plain, False, 0.01, 0, runs_only=True)
+    assert modes.plain_cost.predict(2) == 0.01 and modes.pays(2) is True

@@ -4,6 +4,8 @@ proposals (their KV slots, and no prefix-cache block holding one)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tidal.core.config import EngineConfig
@@ -39,6 +41,24 @@ def test_min_n_and_nothing_found():
     assert propose_ngram([1, 2, 3], 4, 1, 3) == []
     assert propose_ngram([5], 4, 1, 3) == []
     assert propose_ngram(tokens, 0, 1, 3) == []
+
+
+def _ngram_reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup spelled out: every window, latest first, for each ``n``."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k] if k > 0 else []
+    return []
+
+
+def test_the_proposer_agrees_with_every_window_spelled_out():
+    rng = random.Random(0)
+    for _ in range(400):
+        tokens = [rng.randrange(rng.choice([2, 3, 40])) for _ in range(rng.randint(1, 50))]
+        for k, n_min, n_max in ((4, 1, 3), (3, 2, 5), (2, 1, 1)):
+            assert propose_ngram(tokens, k, n_min, n_max) == _ngram_reference(
+                tokens, k, n_min, n_max), (tokens, k, n_min, n_max)
 
 
 def test_config_takes_vllms_shape_and_refuses_the_rest(tmp_path):
@@ -233,6 +253,7 @@ def test_proposals_pay_on_a_small_batch_and_are_trimmed_as_it_fills():
 
 def test_the_scheduler_drops_proposals_that_would_not_pay_and_seeds_keep_theirs():
     s = _scheduler()
+    s.speculator.modes.forced = True  # every step speculates: a seed then replays with them
     for rows in [1, 4, 16, 64] * 10:  # compute-bound steps: every row costs a millisecond
         s.speculator.observe_step(rows, 0.001 + 0.001 * rows)
     for _ in range(30):  # and proposals mostly rejected
@@ -246,6 +267,9 @@ def test_the_scheduler_drops_proposals_that_would_not_pay_and_seeds_keep_theirs(
     assert out.scheduled_spec_decode_tokens == {"b": [3, 1, 2]}
     assert out.num_scheduled_tokens == {"a": 1, "b": 4}
     assert s.speculator.stats.num_trimmed_tokens == 3
+    s.update_from_output(ModelRunnerOutput(["a", "b"], [[3], [3, 1, 2, 3]]))
+    s.speculator.modes.forced = None  # steps chosen by measurement: a seed gets none
+    assert s.schedule().scheduled_spec_decode_tokens == {}
 
 
 def test_with_async_scheduling_proposals_come_only_in_the_steps_that_speculate():

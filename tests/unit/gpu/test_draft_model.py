@@ -6,6 +6,7 @@ embedded model's shipped draft; a draft with another vocabulary is refused."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -105,6 +106,24 @@ def test_greedy_with_a_draft_gives_the_tokens_without(pair, draft):
     assert stats.num_preemptions > 0
     if draft == "target":
         assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.gpu
+def test_a_draft_catches_up_after_steps_without_proposals(pair):
+    """A plain step (no proposals: ``core/spec_mode.py``) skips the draft; the next step that
+    speculates runs what it missed, prompts included, in forwards of at most the step's
+    budget. The target as its own draft must still have every proposal accepted."""
+    args = on_test_device(**ARGS)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (31, 26, 35, 22)]
+    want = _completions(LLM(pair["target"], **args).generate(_prompts(), params,
+                                                             use_tqdm=False))
+    spec = speculating(LLM(pair["target"], speculative_config=_spec(pair["target"]), **args))
+    pattern = itertools.cycle([False] * 6 + [True] * 3)  # the prompts: past the budget
+    spec.engine.spec_modes.choose = lambda _running: next(pattern)
+    assert _completions(spec.generate(_prompts(), params, use_tqdm=False)) == want
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
 @pytest.mark.gpu

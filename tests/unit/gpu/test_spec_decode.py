@@ -131,11 +131,11 @@ def echo_model(tmp_path_factory) -> str:
 
 
 def speculating(llm: LLM) -> LLM:
-    """``llm`` with every proposal run: the measured policy (``core/spec_policy.py``) would
-    trim some by this host's step times, and these tests count the proposals."""
+    """``llm`` speculating in every step with every proposal run: the measured choices
+    (``core/spec_mode.py``, ``core/spec_policy.py``) would run some steps without proposals
+    and trim some proposals by this host's step times, and these tests count the proposals."""
     llm.engine.scheduler.speculator.policy.keep = lambda _req_id, n, _rows: n
-    if llm.engine.spec_modes is not None:  # async scheduling: every step speculates
-        llm.engine.spec_modes.choose = lambda _running: True
+    llm.engine.spec_modes.forced = True
     return llm
 
 
@@ -183,8 +183,8 @@ def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model)
     assert (f'tidal:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} '
             f"{float(per_pos[0])}") in metrics
     # preempted for KV blocks (12 of 16 tokens; 512 bytes a token) and recomputed
-    squeezed = LLM(echo_model, speculative_config=SPEC, **{**args, "kv_cache_memory":
-                                                            12 * 16 * 512})
+    squeezed = speculating(LLM(echo_model, speculative_config=SPEC, **{
+        **args, "kv_cache_memory": 12 * 16 * 512}))
     _assert_same(_completions(squeezed.generate(_prompts(), params, use_tqdm=False)), want)
     assert squeezed.engine.stats().num_preemptions > 0
     # a stop token id from inside each output's cycle, and max_tokens anywhere in a run:
