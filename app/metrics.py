@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from tidal.core.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from tidal.core.engine_core import EngineStats
+    from tidal.core.engine_stats import EngineStats
     from tidal.core.lifecycle import RequestStats
 
 disable_created_metrics()  # no `_created` series: they double the exposition for nothing

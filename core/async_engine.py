@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.core.config import EngineConfig
-from tidal.core.engine_core import EngineCore, EngineStats
+from tidal.core.engine_core import EngineCore
+from tidal.core.engine_stats import EngineStats
 from tidal.core.lifecycle import Arrival, RequestStats
 from tidal.core.outputs import RequestOutput, RequestOutputCollector
 from tidal.core.sampling_params import SamplingParams

@@ -13,10 +13,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.core.config import EngineConfig, load_tokenizer
+from tidal.core.engine_stats import EngineStats
 from tidal.core.executor import StepResult, create_executor
 from tidal.core.host_tier import HostTier
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -37,44 +37,6 @@ logger = logging.getLogger(__name__)
 # how long a step with nothing to run waits for a grammar to compile: new requests and aborts
 # wait as long to be taken in
 GRAMMAR_POLL_SECONDS = 0.01
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_waiting_clients: int = 0  # clients with a request waiting (scheduler.FairQueue)
-    max_waiting_per_client: int = 0  # requests (sequences) the most-waiting client has queued
-    grammar_cache_bytes: int = 0  # the compiled-grammar cache's size estimate
-    grammar_compile_timeouts: int = 0  # compiles failed for running past their time limit
-    # preemptions by why: "kv_cache", "fair_share", "priority"
-    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
-    # the host tier (--kv-offload-size): its blocks, those in use, copied out, copied back
-    host_tier_blocks: int = 0
-    host_tier_used: int = 0
-    host_tier_stored: int = 0
-    host_tier_hits: int = 0
-    # its disk part (--kv-offload-path): blocks, those in use, written, copied back
-    disk_tier_blocks: int = 0
-    disk_tier_used: int = 0
-    disk_tier_stored: int = 0
-    disk_tier_hits: int = 0
-    swapped_out_blocks: int = 0  # copied out of the device into either tier
-    # preempted requests resumed with second-tier blocks: "swap" (copied back) or
-    # "recompute" (computed again), whichever was measured cheaper (core/swap_policy.py)
-    resumptions_by_method: dict[str, int] = field(default_factory=dict)
-    resumption_cost_per_token: dict[str, float] = field(default_factory=dict)  # what it compares
-    spec_decode_num_drafts: int = 0  # runs of speculative tokens verified
-    spec_decode_num_draft_tokens: int = 0  # speculative tokens proposed
-    spec_decode_num_accepted_tokens: int = 0  # of which the target accepted
-    spec_decode_accepted_per_pos: tuple[int, ...] = ()  # accepted at each position of a run
-    spec_decode_num_trimmed_tokens: int = 0  # proposals dropped: they would not pay
 
 
 class EngineCore:
