@@ -2,9 +2,11 @@
 temperature, min_p, top-k / top-p, then sampling; greedy rows take the argmax of the
 processed logits. Logprobs are those of the model's raw logits.
 
-Sampling is an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)``: one batched draw
-for unseeded rows and one draw from its own generator for each seeded row, so nothing waits on
-the host and a seeded row's tokens do not depend on what else is in the batch.
+Sampling is by inverse transform: one uniform per row, and the first token whose running sum
+of probabilities (in float64) passes it. Unseeded rows take one batched draw and each seeded row
+one draw from its own generator, so nothing waits on the host and a seeded row's tokens do not
+depend on what else is in the batch. One uniform a row, rather than the exponential race's one
+exponential per vocabulary entry, which torch draws on a CPU one value at a time.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import torch
 from tidal.core.scheduler_output import GrammarBitmask
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.sampling_metadata import Penalties, RandomRows, SamplingMetadata
-
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -143,8 +143,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def sample_random(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
-    """Temperature, min_p, top-k / top-p, then the exponential race, on the sampling rows."""
-    return race(random_probs(logits, r), r)
+    """Temperature, min_p, top-k / top-p, then one draw, on the sampling rows."""
+    return draw(random_probs(logits, r), r)
 
 
 def random_probs(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
@@ -157,13 +157,19 @@ def random_probs(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def race(probs: torch.Tensor, r: RandomRows) -> torch.Tensor:
-    """A token from each row of ``probs`` (which need not sum to one, and is overwritten):
-    ``argmax(probs / q)``, ``q ~ Exp(1)``, seeded rows drawing from their generators."""
-    q = torch.empty_like(probs).exponential_()
+def draw(probs: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """A token from each row of ``probs`` (which need not sum to one): the first whose
+    running sum passes ``u`` times the row's total, ``u ~ U[0, 1)``, seeded rows drawing
+    from their generators. Tokens of probability 0 are never drawn."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device)
     for row, generator in r.generators.items():
-        q[row].exponential_(generator=generator)
-    return row_argmax(probs.div_(q.clamp_min_(_TINY)))
+        u[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
+    # strictly below the total, so the token found has a probability above 0
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # clamped: a row of NaNs (a broken model) finds no place in its cdf
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

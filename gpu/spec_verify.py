@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.gpu.sampler import SamplerOutput, process_logits, race, random_probs, row_argmax
+from tidal.gpu.sampler import SamplerOutput, draw, process_logits, random_probs, row_argmax
 from tidal.gpu.sampling_metadata import RandomRows, SamplingMetadata
 
 
@@ -59,9 +59,9 @@ def _verify_random(logits: torch.Tensor, r: RandomRows, drafts: torch.Tensor,
     safe = d.clamp_min(0)[:, None]
     p_draft = probs.gather(1, safe).squeeze(1)
     ok = has & (_uniforms(r, probs) < p_draft)
-    # the draft taken out of the rows that have one (the race needs no renormalising)
+    # the draft taken out of the rows that have one (the draw needs no renormalising)
     probs.scatter_(1, safe, torch.where(has, torch.zeros_like(p_draft), p_draft)[:, None])
-    drawn = race(probs, r)
+    drawn = draw(probs, r)
     if r.all_rows:
         target.copy_(drawn)
         accepted.copy_(ok)
@@ -72,7 +72,7 @@ def _verify_random(logits: torch.Tensor, r: RandomRows, drafts: torch.Tensor,
 
 def _uniforms(r: RandomRows, probs: torch.Tensor) -> torch.Tensor:
     """One U[0, 1) per sampling row, seeded rows with a proposal drawing from their
-    generators (before the race's draws, in row order, so a seed replays). A request's rows
+    generators (before the draw's, in row order, so a seed replays). A request's rows
     are consecutive and share its generator, and only its last has no proposal: that row, and
     a seeded request without proposals, draws nothing here, so its generator advances as the
     sampler's does in a step without proposals (its tokens then do not depend on whether

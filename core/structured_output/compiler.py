@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.core.structured_output.limits import GrammarError
 from tidal.core.structured_output.params import StructuredOutputsParams
+from tidal.core.structured_output.special_tokens import MAX_COMPILERS, TextTokens
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -81,7 +82,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.workers, self.timeout, self.cache_bytes = max(1, workers), timeout, cache_bytes
         self._tokenizer, self._stop_token_ids, self._threads = tokenizer, stop_token_ids, threads
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._text_tokens: TextTokens | None = None
+        # per set of special tokens read as text (special_tokens.py), least recently used first
+        self._compilers: OrderedDict[frozenset[int], xgr.GrammarCompiler] = OrderedDict()
         self._setup_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # bytes charged per cache entry
@@ -178,7 +181,7 @@ class GrammarCompiler:
                     self._threads_alive -= 1
                 return
             try:  # xgrammar's import and the vocabulary: not the grammar's time
-                self._ensure_compiler()
+                self._compiler_for(job.spec)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiters
                 self._settle(job, None, exc)
                 continue
@@ -223,23 +226,30 @@ class GrammarCompiler:
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 self._wake.wait(wait)
 
-    def _setup(self) -> xgr.GrammarCompiler:
+    def _compiler_for(self, spec: StructuredOutputsParams) -> xgr.GrammarCompiler:
+        """The compiler whose vocabulary reads as text no special token but the markers
+        ``spec``'s grammar writes (``special_tokens``), built on first use."""
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self.vocab_size,
-            stop_token_ids=self._stop_token_ids or None)
-        logger.info("structured outputs: xgrammar over a %d-token vocabulary", self.vocab_size)
-        # no cache of its own: it has no bound, and ours does the job
-        return xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
-
-    def _ensure_compiler(self) -> None:
         with self._setup_lock:
-            if self._compiler is None:
-                self._compiler = self._setup()
+            if self._text_tokens is None:  # xgrammar's import and the vocabulary, once
+                self._text_tokens = TextTokens(self._tokenizer, self.vocab_size,
+                                               self._stop_token_ids)
+                logger.info("structured outputs: xgrammar over a %d-token vocabulary",
+                            self.vocab_size)
+            kept = self._text_tokens.kept(spec)
+            compiler = self._compilers.get(kept)
+            if compiler is None:
+                # no cache of its own: it has no bound, and ours does the job
+                compiler = xgr.GrammarCompiler(self._text_tokens.info(kept),
+                                               max_threads=self._threads, cache_enabled=False)
+                self._compilers[kept] = compiler
+                while len(self._compilers) > MAX_COMPILERS:
+                    self._compilers.popitem(last=False)
+            self._compilers.move_to_end(kept)
+            return compiler
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        self._ensure_compiler()
         try:
             return self._compile_kind(spec)
         except Exception as exc:  # noqa: BLE001 - every failure is the request's grammar
@@ -247,8 +257,7 @@ class GrammarCompiler:
                                _field(spec)) from None
 
     def _compile_kind(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        c = self._compiler
-        assert c is not None
+        c = self._compiler_for(spec)
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             return c.compile_json_schema(_dumps(bounded_strings(schema)), any_whitespace=False)
