@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", nargs="+", default=["repeating", "embedded"],
                     choices=["repeating", "embedded"])
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--c1-requests", type=int, default=4)
-    ap.add_argument("--c32-requests", type=int, default=64)
+    ap.add_argument("--c1-requests", type=int, default=16)
+    ap.add_argument("--c32-requests", type=int, default=256)
     ap.add_argument("--name", default="spec_decode")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32], choices=[1, 32])
     ap.add_argument("--methods", nargs="+", choices=[*METHODS, *EXTRA_METHODS],
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     known = {**METHODS, **EXTRA_METHODS}
     methods = ({"none": None} | {m: known[m] for m in args.methods} if args.methods
                else METHODS)
-    result: dict[str, Any] = {"output_len": args.output_len, "methods": methods,
+    result: dict[str, Any] = {"output_len": args.output_len, "requests": {
+                                  "c1": args.c1_requests, "c32": args.c32_requests},
+                              "methods": methods,
                               "async_scheduling": args.async_scheduling,
                               "load_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
