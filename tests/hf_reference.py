@@ -22,6 +22,18 @@ def reference_prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
             for n in (1, 5, 17, 33, 64, 100, 150, 200)]
 
 
+def hf_float_model(path: str, **load: object):
+    """HF transformers' float32 model of ``path`` on the test device, set to run past EOS (as
+    ``ignore_eos`` does), with a cache of its greedy runs for ``hf_greedy``; ``load`` goes to
+    ``from_pretrained`` (e.g. ``attn_implementation="eager"``)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).to(TEST_DEVICE)
+    hf.generation_config.eos_token_id = None
+    hf.reference_cache = {}
+    return hf
+
+
 def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     key = tuple(prompt)
     if key not in hf.reference_cache:

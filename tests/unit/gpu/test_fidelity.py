@@ -4,11 +4,9 @@ batching, chunking, prefix caching or preemption."""
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
-from tests.device import TEST_DEVICE
-from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
 from tidal.core import SamplingParams
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.random_model import build_model_dir
@@ -39,9 +37,7 @@ def _model(name: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
     if name not in _BUILT:
         arch, overrides = MODELS[name]
         path = build_model_dir(tmp_path_factory.mktemp(name), arch, **overrides)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
-        hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
-        hf.reference_cache = {}
+        hf = hf_float_model(str(path))
         _BUILT[name] = (str(path), hf)
     return _BUILT[name]
 

@@ -6,11 +6,8 @@ than the window, in batches of several requests under chunked prefill."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from tests.device import TEST_DEVICE
-from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
 from tidal.gpu.models.gpt_oss import GptOssForCausalLM
 from tidal.gpu.moe import MoE
 from tidal.gpu.random_model import build_model_dir
@@ -26,10 +23,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def hf_model(path: str):
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
-    hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
-    hf.reference_cache = {}
-    return hf
+    return hf_float_model(path)
 
 
 def test_matches_hf_in_chunked_batches(model_dir):

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.device import TEST_DEVICE
-from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
 from tests.unit.gpu.test_quantized_fidelity import FORMATS, hf_twin
 from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.linear import QuantLinear
@@ -37,10 +35,7 @@ def _model_dir(name: str, tmp_path_factory) -> str:
 
 
 def _hf(path: str):
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
-    hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
-    hf.reference_cache = {}
-    return hf
+    return hf_float_model(path)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-unnormalised", "mixtral"])

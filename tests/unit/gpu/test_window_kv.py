@@ -6,11 +6,9 @@ the window pool, stay within the window's bound; prefix hits and preemption stay
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
-from tests.device import TEST_DEVICE
-from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
+from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.sampling_params import SamplingParams
 from tidal.gpu.model_config import ModelConfig
@@ -26,11 +24,8 @@ _BUILT: dict[str, tuple[str, AutoModelForCausalLM]] = {}
 def _model(arch: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
     if arch not in _BUILT:
         path = build_model_dir(tmp_path_factory.mktemp(arch), arch, sliding_window=WINDOW)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                  attn_implementation="eager").to(TEST_DEVICE)
-        hf.generation_config.eos_token_id = None  # run on past EOS, as ignore_eos does
+        hf = hf_float_model(str(path), attn_implementation="eager")
         hf.generation_config.cache_implementation = "dynamic"
-        hf.reference_cache = {}
         _BUILT[arch] = (str(path), hf)
     return _BUILT[arch]
 
