@@ -171,6 +171,7 @@ class ModelRunner(KVCacheSetup):
             kernels.flush_denormals_in_pool()
         logger.info("serving on the upgraded CPU model from this step: %s",
                     self.kernel_summary())
+        release_freed_host_memory()  # the model it replaced, kept by the thresholds
 
     def _watched_forward(self, inputs: StepInputs) -> torch.Tensor:
         """``run_model``, a CPU server's decode steps timed: steps persistently slower than

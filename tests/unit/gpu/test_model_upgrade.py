@@ -11,6 +11,7 @@ import pytest
 from tidal.core.config import DEFAULT_MODEL, EngineConfig
 from tidal.core.engine_core import EngineCore
 from tidal.core.sampling_params import SamplingParams
+from tidal.gpu import model_runner
 from tidal.gpu.attention import CpuAttentionBackend, TorchAttentionBackend
 from tidal.gpu.cpu import kernels, model_upgrade, selector
 
@@ -148,8 +149,11 @@ def test_a_new_model_serves_on_defaults_while_its_plans_are_timed(monkeypatch, t
     assert "timed in the background" in runner.kernel_summary()
     untimed = runner.model
     runner._upgrades.pending.future.result(timeout=300)
+    trims = []  # the replaced model's memory handed back to the OS once it is swapped out
+    monkeypatch.setattr(model_runner, "release_freed_host_memory", lambda: trims.append(1))
     tokens = _greedy(engine, list(range(5, 25)), 10)
     assert runner.model is not untimed and runner.cpu.plans.timed  # swapped at the first step
+    assert trims == [1]
     assert runner._upgrades.waiting is None
     reference = EngineCore(EngineConfig(model=DEFAULT_MODEL, max_model_len=96,
                                         cpu_kernels="off"))
