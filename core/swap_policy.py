@@ -47,18 +47,13 @@ class SwapPolicy:
     def swap(self, num_host: int, num_disk: int, block_size: int) -> bool:
         """Whether to copy ``num_host`` + ``num_disk`` blocks back rather than recompute
         them (the caller counts the resumption once it is admitted)."""
-        prefill = self.prefill_per_token.value
-        if prefill is None:
-            return True
-        copy = 0.0
-        for tier, blocks in (("host", num_host), ("disk", num_disk)):
-            per_block = self.copy_per_block[tier].value
-            if blocks and per_block is None:
-                return True  # unmeasured: copy, which measures it
-            copy += blocks * (per_block or 0.0)
-        # a disk block is read into host memory, then copied in from there (HostTier.load_hit)
-        copy += num_disk * (self.copy_per_block["host"].value or 0.0)
-        return copy <= prefill * (num_host + num_disk) * block_size
+        costs = self.costs(block_size)
+        if "recompute" not in costs or any(
+                blocks and f"swap_{tier}" not in costs
+                for tier, blocks in (("host", num_host), ("disk", num_disk))):
+            return True  # unmeasured: copy, which measures it
+        copy = num_host * costs.get("swap_host", 0.0) + num_disk * costs.get("swap_disk", 0.0)
+        return copy <= costs["recompute"] * (num_host + num_disk)
 
     def costs(self, block_size: int) -> dict[str, float]:
         """The measured seconds per token brought back, by way ("swap_host", "swap_disk",
