@@ -39,6 +39,7 @@ from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model
 from tidal.gpu.pipeline import pipeline_stage
+from tidal.gpu.spec_step import AttentionRows
 
 
 @dataclass
@@ -242,14 +243,17 @@ class DraftRunner:
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         width = -(-int(seq_lens.max()) // bs)
+        seen = AttentionRows(np.arange(len(lens)), cu, seq_lens, int(lens.max()))
+        if self.device == "cpu" and seen.max_query_len <= self.k + 1:  # accepted runs + 1
+            seen = AttentionRows.one_per_token(token_req, positions)
         dev = self._to_device
         meta = AttentionMetadata(
-            num_actual_tokens=int(cu[-1]), query_start_loc=dev(cu.astype(np.int32)),
-            seq_lens=dev(seq_lens.astype(np.int32)),
-            block_table=dev(np.ascontiguousarray(req_table[:, :width])),
-            slot_mapping=dev(slots), max_query_len=int(lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens.tolist())
+            num_actual_tokens=int(cu[-1]), query_start_loc=dev(seen.cu.astype(np.int32)),
+            seq_lens=dev(seen.seq_lens.astype(np.int32)),
+            block_table=dev(np.ascontiguousarray(req_table[seen.rows, :width])),
+            slot_mapping=dev(slots), max_query_len=seen.max_query_len,
+            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=seen.cu.tolist(),
+            seq_lens_cpu=seen.seq_lens.tolist())
         ids = dev(np.concatenate(rows.ids).astype(np.int64))
         pos = dev(positions)
         hidden = self.cpu.forward(ids, pos, self.kv_caches, meta) if self.cpu else None

@@ -35,7 +35,7 @@ from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
-from tidal.gpu.spec_step import spec_rows, write_drafts
+from tidal.gpu.spec_step import spec_rows, verify_rows, write_drafts
 from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
@@ -316,7 +316,9 @@ class ModelRunner(KVCacheSetup):
         slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         max_seq = max(seq_lens_cpu)
-        block_table = self.batch.block_table[rows, : -(-max_seq // bs)]
+        seen = verify_rows(spec, rows, token_rows, cu, positions, seq_lens,
+                           layout.max_query_len, one_row_each=self.device == "cpu")
+        block_table = self.batch.block_table[seen.rows, : -(-max_seq // bs)]
 
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
@@ -326,18 +328,18 @@ class ModelRunner(KVCacheSetup):
         num_tokens = sched.total_num_scheduled_tokens
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
-            query_start_loc=to_dev(cu.astype(np.int32)),
-            seq_lens=to_dev(seq_lens.astype(np.int32)),
+            query_start_loc=to_dev(seen.cu.astype(np.int32)),
+            seq_lens=to_dev(seen.seq_lens.astype(np.int32)),
             block_table=to_dev(np.ascontiguousarray(block_table)),
             slot_mapping=to_dev(slots),
-            max_query_len=layout.max_query_len,
+            max_query_len=seen.max_query_len,
             max_seq_len=max_seq,
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=seen.cu.tolist(),
+            seq_lens_cpu=seen.seq_lens.tolist(),
         )
         if self.batch.window_block_table is not None:
-            window_inputs(meta, self.batch.window_block_table, rows, token_rows, positions, bs,
-                          to_dev)
+            window_inputs(meta, self.batch.window_block_table, seen.rows, token_rows, positions,
+                          bs, to_dev)
         if spec:  # each sampling request's proposals and its last token give logits
             indices, rows = spec_rows([states[i] for i in sampling],
                                       cu[1:][np.asarray(sampling, dtype=np.int64)] - 1, spec,

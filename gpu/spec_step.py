@@ -27,6 +27,38 @@ class SpecRows:
     row_states: list[CachedRequestState]
 
 
+@dataclass
+class AttentionRows:
+    """Who a step's attention sees as its requests: the rows of the block table their blocks
+    are read from, their query start offsets and their lengths after the step."""
+
+    rows: np.ndarray
+    cu: np.ndarray
+    seq_lens: np.ndarray
+    max_query_len: int
+
+    @classmethod
+    def one_per_token(cls, token_rows: np.ndarray, positions: np.ndarray) -> AttentionRows:
+        """Each query row a request of its own over its request's blocks, as long as its
+        position + 1: it attends causally over the cache as its chunk's row would, and the
+        step is a decode step (k + 1 rows a request) that the CPU's one-call decode step and
+        decode attention take, not the layered forward with prefill attention."""
+        n = len(positions)
+        return cls(token_rows, np.arange(n + 1, dtype=np.int64), positions + 1, 1)
+
+
+def verify_rows(spec: dict[str, list[int]], rows: np.ndarray, token_rows: np.ndarray,
+                cu: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                max_query_len: int, one_row_each: bool) -> AttentionRows:
+    """A verifying step's attention, its rows one request each where ``one_row_each`` and
+    its longest query is a verification (no longer than its proposals + 1): prefill chunks
+    attend as chunks."""
+    longest = 1 + max((len(d) for d in spec.values()), default=0)
+    if one_row_each and spec and max_query_len <= longest:
+        return AttentionRows.one_per_token(token_rows, positions)
+    return AttentionRows(rows, cu, seq_lens, max_query_len)
+
+
 def write_drafts(batch: InputBatch, states: list[CachedRequestState],
                  spec: dict[str, list[int]]) -> None:
     """Put each request's proposals after its known tokens, where the forward reads its

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.device import on_test_device
+from tests.device import TEST_DEVICE, on_test_device
 from tidal.app.metrics import ServerMetrics
 from tidal.core import LLM, SamplingParams
 from tidal.core.scheduler_output import NewRequestData
@@ -121,7 +121,18 @@ def echo_model(tmp_path_factory) -> str:
     """A random Llama whose attention and MLP outputs are scaled down: its next token depends
     mostly on the current one, so its greedy output falls into cycles that prompt lookup
     predicts, while attention still moves every logit."""
-    path = build_model_dir(tmp_path_factory.mktemp("spec") / "llama", "llama")
+    return _echo_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def stack_echo_model(tmp_path_factory) -> str:
+    """``echo_model`` with heads of 32, a width the CPU's decode attention takes, so that its
+    one-call decode step runs it."""
+    return _echo_model(tmp_path_factory, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _echo_model(tmp_path_factory, **overrides: int) -> str:
+    path = build_model_dir(tmp_path_factory.mktemp("spec") / "llama", "llama", **overrides)
     weights = load_file(path / "model.safetensors")
     for name in weights:
         if "o_proj" in name or "down_proj" in name:
@@ -158,8 +169,28 @@ def _assert_same(got, want) -> None:
             assert max(abs(entry[t] - entry0[t]) for t in entry) < 1e-4
 
 
+class _StackSpy:
+    """The runner's one-call decode step, counting each step's rows and requests."""
+
+    def __init__(self, stack, runner) -> None:
+        self.stack, self.runner, self.steps = stack, runner, []
+
+    def forward(self, *args):
+        self.steps.append((len(args[0]), len(self.runner.batch.states)))
+        return self.stack.forward(*args)
+
+
+def _spy_on_the_stack(llm: LLM) -> list[tuple[int, int]]:
+    runner = llm.engine.executor.runner
+    if runner.cpu is None or runner.cpu.stack is None:
+        return []
+    runner.cpu.stack = spy = _StackSpy(runner.cpu.stack, runner)
+    return spy.steps
+
+
 @pytest.mark.gpu
-def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model):
+def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(stack_echo_model):
+    echo_model = stack_echo_model
     args = on_test_device(dtype="float32", max_num_seqs=4, max_num_batched_tokens=24)
     plain = LLM(echo_model, **args)
     spec = speculating(LLM(echo_model, speculative_config=SPEC, **args))
@@ -168,8 +199,11 @@ def test_greedy_with_proposals_gives_the_tokens_and_logprobs_without(echo_model)
     # penalties count the proposals before a row as output tokens
     params[2] = params[2].clone(frequency_penalty=0.1)
     want = _completions(plain.generate(_prompts(), params, use_tqdm=False))
+    stack_rows = _spy_on_the_stack(spec)
     got = _completions(spec.generate(_prompts(), params, use_tqdm=False))
     _assert_same(got, want)
+    if TEST_DEVICE == "cpu":  # verifying steps ran as decode steps of k + 1 rows a request
+        assert any(rows > reqs for rows, reqs in stack_rows), stack_rows
     stats = spec.engine.stats()
     assert stats.spec_decode_num_accepted_tokens >= 10
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
