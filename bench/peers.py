@@ -140,6 +140,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--llama-quant", default="f32", choices=list(LLAMA_QUANTS),
                     help="the GGUF's weight type: f32, f16 and q8_0 by the converter, q4_0 by "
                     "llama-quantize (beside llama-server) from the f32 file")
+    ap.add_argument("--llama-draft", default=None, metavar="DIR",
+                    help="a draft model directory for llama-server's speculative decoding "
+                    "(-md, its GGUF made as the model's; with --llamacpp-arg --draft-max K)")
     ap.add_argument("--llamacpp-arg", action="append", default=[],
                     help="extra argument for llama-server, after its defaults -np SLOTS -c "
                     "SLOTS x 2048 -t CORES (repeatable; the last of a flag given twice wins)")
@@ -228,10 +231,15 @@ def find_llamacpp(args: argparse.Namespace, model: str, needs: dict) -> Peer:
     slots = max(LLAMA_MIN_SLOTS, needs.get("concurrency", 0))
     slot_tokens = max(LLAMA_MIN_SLOT_TOKENS, -(-needs.get("sequence_tokens", 0) // 256) * 256)
     defaults = ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", str(os.cpu_count())]
+    details = {"binary": binary, "gguf": str(gguf)}
+    draft = getattr(args, "llama_draft", None)
+    if draft:  # the draft's GGUF of the same weight type, made as the model's
+        details["draft_gguf"] = str(model_gguf(draft, args, binary))
+        defaults += ["-md", details["draft_gguf"]]
     return Peer("llamacpp", f"llama.cpp llama-server ({args.llama_quant} GGUF)", version,
                 [*defaults, *args.llamacpp_arg],
                 lambda model, server_args: LlamaServer(model, server_args, binary, gguf),
-                {"binary": binary, "gguf": str(gguf)})
+                details)
 
 
 FINDERS: dict[str, Callable[[argparse.Namespace, str, dict], Peer]] = {
