@@ -8,7 +8,10 @@ and workloads, how each is found on this host, made ready and started.
   ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless set);
 - ``llamacpp``: llama.cpp's ``llama-server`` binary (``--llama-server``) on an f32 GGUF of the
   model directory, converted once by llama.cpp's ``convert_hf_to_gguf.py`` (``--llama-convert``,
-  run by ``--llama-convert-python`` through ``bench/gguf_convert.py``) and cached beside it.
+  run by ``--llama-convert-python`` through ``bench/gguf_convert.py``) and cached beside it;
+  with ``--llama-draft DIR``, a draft model's GGUF (made the same way) for its draft-model
+  speculation (``-md``; its ``--spec-type draft-simple`` and draft length by
+  ``--llamacpp-arg``).
 
 Neither vLLM nor llama.cpp is a dependency of tidal: each is installed apart from it, and
 found through its flag, then its environment variable, then its place under
