@@ -70,7 +70,8 @@ class ModelRunner(KVCacheSetup):
         # the model, and on the CPU its plans and one-call decode step (gpu/cpu/backend.py)
         self.model, self.cpu = (self._upgrades.start() if self._upgrades is not None
                                 else self._load_model())
-        self._step_watch = StepWatch() if self._upgrades is not None else None
+        self._step_watch = (StepWatch() if self.device == "cpu" and self.tp.world_size == 1
+                            and selector.mode() == "auto" else None)
         self.drafter = DraftRunner.for_config(config, model_config, max_model_len, self.dtype)
         self.sampler = Sampler()
         self.pooler = (Pooler(read_pooling_config(config.model)) if config.runner == "pooling"
@@ -183,7 +184,7 @@ class ModelRunner(KVCacheSetup):
         hidden = self.run_model(inputs.input_ids, inputs.positions, meta)
         ms = (time.perf_counter() - start) * 1e3
         context = sum(meta.seq_lens_cpu) / max(1, meta.num_reqs)
-        if self._step_watch.observe(meta.num_reqs, context, ms):
+        if self._step_watch.observe(meta.num_reqs, context, ms) and self._upgrades is not None:
             self._upgrades.slow_steps()
         return hidden
 

@@ -8,9 +8,18 @@ context (powers of two), each bucket's first window of ``WINDOW`` steps after th
 in its baseline. A plan's own timings are no baseline for whole steps: they read one layer's
 KV cache in every layer (``op_plans.plan_decode_stack``), which stays in the CPU's caches as
 a real step's does not.
+
+Each step's time over its bucket's baseline also goes to the ``ThreadGovernor``, which runs the
+steps on one thread fewer while a co-tenant makes that faster.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tidal.gpu.cpu.thread_governor import ThreadGovernor
 
 SLOW = 1.5  # a window's median this many times its bucket's baseline: a slow window
 WINDOW = 32  # decode steps a window
@@ -28,7 +37,9 @@ def bucket(n: float) -> int:
 class StepWatch:
     """Decode steps' times, a window at a time, per (rows, context) bucket."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 0,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.governor = ThreadGovernor(threads or torch.get_num_threads(), set_threads)
         self.reset()
 
     def reset(self) -> None:
@@ -43,6 +54,8 @@ class StepWatch:
         key = (bucket(rows), bucket(mean_context))
         window = self.windows.setdefault(key, [])
         window.append(ms)
+        if key in self.baseline:
+            self.governor.observe(ms / self.baseline[key])
         if len(window) < WINDOW:
             return False
         median = sorted(window)[WINDOW // 2]
