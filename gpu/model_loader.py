@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +14,9 @@ from torch import nn
 
 from tidal.gpu.attention import AttentionBackend
 from tidal.gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
+from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.backend import CpuBackend, prepare_for_cpu
-from tidal.gpu.cpu.packed_linear import can_pack
+from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES, can_pack
 from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.layers import RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
@@ -28,9 +29,17 @@ from tidal.gpu.quantization.apply import (
     leave_unallocated,
     log_quantized,
     quantize_on_read,
+    quantized_bytes,
 )
 from tidal.gpu.quantization.experts import ExpertCollector, leave_experts_unallocated
-from tidal.gpu.quantization.head import QuantHead, install_tied_head, quantize_head
+from tidal.gpu.quantization.head import (
+    QuantEmbedding,
+    QuantHead,
+    install_tied_head,
+    leave_vocab_unallocated,
+    quantize_head,
+)
+from tidal.gpu.quantization.linear import QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 from tidal.gpu.weight_shards import shard_weights
 
@@ -71,6 +80,9 @@ class LoadOptions:
     timed: bool = True
     quantization: str | None = None
     group_size: int = 32
+    # a model read from the same checkpoint and options (the one serving, for its upgrade):
+    # its int8 embedding and head are taken as they are, not quantized and held a second time
+    reuse: nn.Module | None = None
 
 
 class LoadedModel(NamedTuple):
@@ -82,16 +94,25 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) -> LoadedModel:
-    """The model, ready to run, as ``options`` say."""
-    model = read_model(model_dir, cfg, options)
-    cpu = None
-    if can_pack(options.device, options.dtype):
-        cpu = prepare_for_cpu(model, options.max_rows, options.max_seqs, options.plan_cache,
-                              options.timed)
+    """The model, ready to run, as ``options`` say. On the CPU, quantized experts are planned
+    and packed as each layer's are read (``ExpertCollector``), from the plans and cache the
+    rest of the model's ops are planned with after."""
+    if not can_pack(options.device, options.dtype):
+        return LoadedModel(read_model(model_dir, cfg, options), None)
+    timed = options.timed and selector.mode() == "auto"
+    cache = options.plan_cache if options.plan_cache is not None else (
+        PlanCache() if timed else None)
+    planner = None
+    if options.quantization is not None:
+        planner = (lambda nbytes: QuantPlanner(options.max_rows, cache if timed else None,
+                                               nbytes > TWO_LAYOUTS_MAX_BYTES))
+    model = read_model(model_dir, cfg, options, planner)
+    cpu = prepare_for_cpu(model, options.max_rows, options.max_seqs, cache, options.timed)
     return LoadedModel(model, cpu)
 
 
-def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) -> nn.Module:
+def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions,
+               planner: Callable[[int], QuantPlanner] | None = None) -> nn.Module:
     """The model with its weights read, in plain torch layers (nothing packed or planned).
     With ``quantization``, each decoder linear's weight is quantized as it is read, so the
     float model never exists whole in memory; nor does it where the checkpoint's linears are
@@ -99,28 +120,35 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     rank's part as it is read (after quantization, so that the parts are the whole's); a
     pipeline stage reads its layers' weights only.
     With ``quantization``, the output head becomes int8 with one scale per row, which a tied
-    embedding shares (``gpu/quantization/head.py``)."""
+    embedding shares, and an untied embedding is int8 per row too
+    (``gpu/quantization/head.py``). ``planner``, given the bytes the model's quantized weights
+    will take, plans the experts as each layer's are read."""
     quantization, dtype, device = options.quantization, options.dtype, options.device
     with torch.device("meta"), _uninitialized_layers():
         model = MODELS[cfg.architecture](cfg, options.backend, options.max_positions)
         if cfg.num_labels:  # a sequence classifier's head, applied by the pooler
             model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
     weights = checkpoint_layout(cfg.architecture, checkpoint_weights(model_dir))
+    experts_planner = None
+    if quantization is not None and planner is not None:
+        experts_planner = planner(quantized_bytes(model, quantization, options.group_size))
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
     if quantization is not None:
         leave_experts_unallocated(model)
+        leave_vocab_unallocated(model)
     if quantization is not None:
         weights = quantize_on_read(weights, quantization, options.group_size)
     if model.tp.size > 1:
         weights = shard_weights(weights, cfg, model.tp)
     if model.stage.size > 1:
         weights = stage_weights(weights, model.stage, cfg.num_layers)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # in the dtype: no float32 copy first
     model.tie_weights()
     _reset_rotary_tables(model, device)
     _load_weights(model, model.local_config, weights, dtype, str(model_dir),
-                  quantized=quantization is not None)
+                  quantized=quantization is not None, planner=experts_planner,
+                  reuse=options.reuse)
     if quantization is not None:
         log_quantized(model, quantization, options.group_size)
     return model.eval()
@@ -155,14 +183,17 @@ def _no_initialization(_layer: nn.Module) -> None:
 
 
 def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
-                  dtype: torch.dtype, source: str, quantized: bool = False) -> None:
-    """``quantized`` (``--quantization``): the output head int8 per row, and the experts,
-    quantized as read, kept so (``gpu/quantization/experts.py``)."""
+                  dtype: torch.dtype, source: str, quantized: bool = False,
+                  planner: QuantPlanner | None = None, reuse: nn.Module | None = None) -> None:
+    """``quantized`` (``--quantization``): the output head and embedding int8 per row (or
+    ``reuse``'s), and the experts, quantized as read, kept so
+    (``gpu/quantization/experts.py``), and planned and packed as each layer's are read where
+    a ``planner`` is given."""
     params = dict(model.named_parameters())
     device = next(model.parameters()).device  # checkpoints are read on the CPU
     loaded: set[str] = set()
     shards: dict[str, dict[int, QuantizedWeight]] = {}  # quantized target -> shards read so far
-    experts = ExpertCollector()
+    experts = ExpertCollector(model, dtype, planner)
     tied_head = quantized and cfg.tie_word_embeddings
     for name, value in weights:
         slot = expert_slot(name)  # a MoE's per-expert weight (gpu/moe_weights.py)
@@ -180,11 +211,15 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
             continue
         value = value.to(device)  # quantized weights, which no parameter's copy_ moves
         if tied_head and target == "embed_tokens.weight":
-            install_tied_head(model, quantize_head(value), dtype)
+            install_tied_head(model, _int8_rows(value, reuse, "lm_head"), dtype)
             loaded.add(target)
             continue
         if quantized and target == "lm_head.weight":  # an untied head: int8 alone
-            model.lm_head = QuantHead(quantize_head(value), dtype)
+            model.lm_head = QuantHead(_int8_rows(value, reuse, "lm_head"), dtype)
+            loaded.add(target)
+            continue
+        if quantized and target == "embed_tokens.weight":  # an untied embedding: int8 rows
+            model.embed_tokens = QuantEmbedding(_int8_rows(value, reuse, "embed_tokens"), dtype)
             loaded.add(target)
             continue
         if isinstance(value, QuantizedWeight):
@@ -202,12 +237,21 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
         loaded.add(target)
     for target, parts in shards.items():
         _install_quantized(model, target, parts, dtype)
-    experts.install(model, dtype)
+    experts.install()
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"weights missing from {source}: {sorted(missing)[:5]}")
+
+
+def _int8_rows(value: Weight, reuse: nn.Module | None, layer: str) -> QuantizedWeight:
+    """``value`` as int8 rows (``quantize_head``), or ``reuse``'s ``layer`` weight where it has
+    one (the same checkpoint's rows, quantized alike)."""
+    weight = getattr(getattr(reuse, layer, None), "weight_format", None)
+    if isinstance(weight, QuantizedWeight) and weight.shape == tuple(value.shape):
+        return weight
+    return quantize_head(value)
 
 
 def _takes_quantized(target: str) -> bool:

@@ -148,15 +148,15 @@ class ModelRunner(KVCacheSetup):
                 f"{c.quantization}/{c.quantization_group_size}|{c.attention_backend}|"
                 f"rows{c.max_num_batched_tokens}|seqs{c.max_num_seqs}|len{self.max_model_len}")
 
-    def _load_model(self, timed: bool = True, plan_cache: PlanCache | None = None
-                    ) -> LoadedModel:
+    def _load_model(self, timed: bool = True, plan_cache: PlanCache | None = None,
+                    serving: LoadedModel | None = None) -> LoadedModel:
         config = self.config
         backend = get_attention_backend(config.attention_backend, config.device)
         loaded = load_model(config.model, self.model_config, LoadOptions(
             backend, self.max_model_len, self.dtype, config.device,
             max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs, timed=timed,
             quantization=config.quantization, group_size=config.quantization_group_size,
-            plan_cache=plan_cache))
+            plan_cache=plan_cache, reuse=serving.model if serving is not None else None))
         if config.device == "cpu":
             release_freed_host_memory()  # the load's temporaries, kept by the thresholds
         return loaded

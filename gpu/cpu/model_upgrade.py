@@ -10,7 +10,9 @@ between two steps (``ModelRunner``). Three things call for one:
   once the engine has been idle a while they are timed again, with growing waits between
   tries; the model is swapped only where the new plans differ.
 
-A swap reads the model's weights again, so for that moment the process holds two copies.
+A swap reads the model's weights again, so for that moment the process holds two copies of its
+packed linears and experts (each layer's experts packed as read, ``gpu/model_loader.py``); a
+quantized model's int8 embedding and head are taken from the model it replaces, not read twice.
 """
 
 from __future__ import annotations
@@ -126,11 +128,12 @@ class CpuUpgrades(Generic[Model]):
     """One runner's CPU model upgrades: which the first load needs (``start``), the one in
     flight, and the re-times of provisional plans after each model arrives.
 
-    ``load(timed, cache)`` loads the model (its plans timed, or untimed defaults), ``plans``
-    gives a loaded model's plans (None off the kernels), ``signature`` names the model's
-    shapes and settings in the plan cache, ``last_step`` the time of the latest step."""
+    ``load(timed, cache, serving)`` loads the model (its plans timed, or untimed defaults;
+    ``serving``, the model that serves meanwhile, may lend it weights), ``plans`` gives a
+    loaded model's plans (None off the kernels), ``signature`` names the model's shapes and
+    settings in the plan cache, ``last_step`` the time of the latest step."""
 
-    def __init__(self, load: Callable[[bool, PlanCache | None], Model],
+    def __init__(self, load: Callable[[bool, PlanCache | None, Model | None], Model],
                  plans: Callable[[Model], list[Plan] | None], signature: str,
                  last_step: Callable[[], float]) -> None:
         self.load, self.plans, self.signature = load, plans, signature
@@ -145,6 +148,7 @@ class CpuUpgrades(Generic[Model]):
         self._confirmed: set[int] = set()
         self.waiting: str | None = None  # what the first model waits for: kernels, plans
         self._wait: IdleWait | None = None
+        self.serving: Model | None = None  # the model that serves now
 
     def start(self) -> Model:
         """The first model: untimed while the kernels build or its plans are timed in the
@@ -152,12 +156,15 @@ class CpuUpgrades(Generic[Model]):
         if needs_background_build():
             self.pending, self.waiting = ModelUpgrade.for_kernels(self._timed), "kernels"
         elif selector.mode() == "auto" and not PlanCache().knows_model(self.signature):
+            # read after the first model, not beside it: two loads at once peak twice
+            self.serving, self.waiting = self.load(False, None, None), "plans"
             self.pending = ModelUpgrade(self._timed, "this model's CPU plans are timed in the "
                                         "background, on untimed defaults meanwhile")
-            self.waiting = "plans"
+            return self.serving
         if self.pending is not None:
-            return self.load(False, None)
-        model = self._timed()
+            self.serving = self.load(False, None, None)
+            return self.serving
+        model = self.serving = self._timed()
         self._after(model)
         return model
 
@@ -176,6 +183,7 @@ class CpuUpgrades(Generic[Model]):
             return None  # nothing to swap
         if retimed:
             logger.info("CPU plans timed again: swapping in the model on the new ones")
+        self.serving = model
         return model
 
     def slow_steps(self) -> None:
@@ -205,7 +213,7 @@ class CpuUpgrades(Generic[Model]):
         noisy = cache.forget_provisional() if retime else {}
         if forget:
             cache.forget(forget)
-        model = self.load(True, cache)
+        model = self.load(True, cache, self.serving)
         # a noisy plan timed again to the same choices stands: it is not timed a third time
         self._confirmed |= {id(plan) for plan in cache.confirm(noisy)}
         plans = self.plans(model)

@@ -6,9 +6,10 @@ its router stays in the model's dtype), which hold nearly all of a model's weigh
 size that needs quantizing. The output head becomes int8 with one scale per row
 (``head.py``): finer, because its error lands directly on every logprob, and quantized at all
 because at batch 1 a small model's head is a large share of a step's bytes. An untied token
-embedding keeps the model's dtype (a row lookup, not a matmul: quantizing it saves memory and
-no time); a tied one is the head's int8 weight, which would otherwise be kept twice, as the
-embedding's rows and in the layout the head's matmul runs from.
+embedding becomes int8 per row too (a row lookup, not a matmul: it saves memory, no time, and a
+large vocabulary's table is a large share of a 4-bit MoE's resident bytes); a tied one is the
+head's int8 weight, which would otherwise be kept twice, as the embedding's rows and in the
+layout the head's matmul runs from.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from tidal.core.config import QUANTIZATIONS
+from tidal.gpu.moe import MoE
 from tidal.gpu.moe_weights import expert_slot
 from tidal.gpu.quantization.experts import quantize_experts_on_read
 from tidal.gpu.quantization.head import QuantEmbedding
@@ -56,6 +58,27 @@ def leave_unallocated(model: nn.Module) -> None:
         getattr(parent, name).weight = nn.Parameter(torch.empty(0, device="meta"))
 
 
+def quantized_bytes(model: nn.Module, method: str, group_size: int) -> int:
+    """The bytes the decoder linears' and experts' weights of ``model`` (still on the meta
+    device, its float weights in place) will take once quantized by ``method``: what decides,
+    before any is read, whether the model keeps one layout per weight."""
+    shapes = [tuple(getattr(parent, name).weight.shape)
+              for parent, name in quantizable_linears(model)]
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            shapes += [tuple(p.shape[1:]) for p in (moe.experts.gate_up_proj,
+                                                    moe.experts.down_proj)
+                       for _ in range(p.shape[0])]
+    return sum(_nbytes(n, k, method, group_size) for n, k in shapes)
+
+
+def _nbytes(out: int, inp: int, method: str, group_size: int) -> int:
+    """``QuantizedWeight.nbytes`` of an ``[out, inp]`` weight quantized by ``method``."""
+    if method == "int8":  # one float32 scale per row
+        return out * inp + out * 4
+    return out * inp // 2 + out * (inp // group_size) * 2 * 4  # a scale and an offset a group
+
+
 def quantize_on_read(weights: Iterable[tuple[str, Weight]], method: str, group_size: int = 32
                      ) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's weights with every float decoder-layer linear weight quantized as it
@@ -85,15 +108,20 @@ def _quantizable(name: str) -> bool:
 
 def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    size = sum(m.weight_format.nbytes for m in layers if m.weight_format is not None)
+    size = sum(m.format_nbytes for m in layers)
     how = f"groups of {group_size}" if method == "int4" else "per output channel"
     head = model.lm_head
-    if isinstance(model.embed_tokens, QuantEmbedding):
-        rest = (f"the tied embedding and output head are one int8 weight (per row): "
-                f"{head.weight_format.nbytes / 1e6:.1f} MB")
+    embed = model.embed_tokens
+    if isinstance(embed, QuantEmbedding) and embed.weight_format is getattr(
+            head, "weight_format", None):
+        rest = f"the tied embedding and output head are one int8 weight (per row): {_mb(head)}"
     else:
-        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-        rest = (f"the output head is int8 (per row): {head.weight_format.nbytes / 1e6:.1f} MB; "
-                f"the embedding stays {dtype}")
+        rest = (f"the output head and the embedding are int8 (per row): "
+                f"{_mb(head)} and {_mb(embed)}")
     logger.info("quantized %d decoder linears to %s (%s): %.1f MB; %s", len(layers), method,
                 how, size / 1e6, rest)
+
+
+def _mb(layer: nn.Module | None) -> str:
+    weight = getattr(layer, "weight_format", None)
+    return "-" if weight is None else f"{weight.nbytes / 1e6:.1f} MB"

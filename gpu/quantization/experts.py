@@ -6,7 +6,9 @@ stacked) and held as that expert's own ``QuantLinear`` (``linear.py``): the grou
 runs each expert's two GEMMs over its own tokens' rows through the quantized-linear kernels,
 planned per shape like the dense linears. The float experts are never allocated: the model is
 built with them empty, and each expert's weights are quantized as they are read
-(``quantize_experts_on_read``) and collected until the model is read (``ExpertCollector``).
+(``quantize_experts_on_read``) and collected (``ExpertCollector``): on the CPU each layer's
+experts are planned and packed as soon as they are all read, so the load never holds more than
+a layer of them unpacked (one value a byte, float32 scales), nor a layer of float weights.
 
 Expert biases (gpt-oss's) stay in the model's dtype, added after each expert's GEMM.
 """
@@ -20,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.moe import MoE
 from tidal.gpu.moe_weights import ExpertSlot
-from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.linear import QuantLinear, QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows, quantize
 
 # the fused form's stacked experts (transformers 5's names; gpt-oss's once in our layout)
@@ -79,38 +82,76 @@ def leave_experts_unallocated(model: nn.Module) -> None:
 @dataclass
 class ExpertCollector:
     """Quantized expert weights as the loader reads them: by the stacked parameter they belong
-    to (``layers.0.mlp.experts.gate_up_proj``), by (expert, gate or up half)."""
+    to (``layers.0.mlp.experts.gate_up_proj``), by (expert, gate or up half). With a
+    ``planner``, a stacked parameter's experts are made ``QuantLinear`` layers and packed for
+    their plans as soon as all of them are read, so a load holds one layer's unpacked values
+    at a time, not the whole model's."""
 
+    model: nn.Module
+    dtype: torch.dtype
+    planner: QuantPlanner | None = None
     parts: dict[str, dict[tuple[int, int | None], QuantizedWeight]] = field(default_factory=dict)
+    built: dict[str, list[QuantLinear]] = field(default_factory=dict)
 
     def take(self, slot: ExpertSlot, value: QuantizedWeight) -> None:
         if slot.expert is None:
             raise ValueError(f"{slot.target}: quantized experts arrive one expert at a time")
-        self.parts.setdefault(slot.target, {})[(slot.expert, slot.half)] = value
+        parts = self.parts.setdefault(slot.target, {})
+        parts[(slot.expert, slot.half)] = value
+        if self.planner is not None and _complete(self.model, slot.target, parts):
+            self.built[slot.target] = self._build(slot.target)
+            release_freed_host_memory()  # the layer's temporaries, kept by the thresholds
 
-    def install(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def install(self) -> None:
         """Replace each MoE block's ``Experts`` whose weights were collected with
         ``QuantExperts`` over them (its biases kept)."""
-        blocks = {target.rsplit(".", 2)[0] for target in self.parts}
-        for path in sorted(blocks):
-            moe = model.get_submodule(path)
-            gate_up = self._linears(f"{path}.experts.gate_up_proj", moe, (0, 1), dtype)
-            down = self._linears(f"{path}.experts.down_proj", moe, (None,), dtype)
+        for path in sorted({_block(target) for target in [*self.parts, *self.built]}):
+            moe = self.model.get_submodule(path)
+            gate_up = self._linears(f"{path}.experts.gate_up_proj")
+            down = self._linears(f"{path}.experts.down_proj")
             old = moe.experts
             moe.experts = QuantExperts(gate_up, down, old.gate_up_proj_bias, old.down_proj_bias)
 
-    def _linears(self, target: str, moe: MoE, halves: tuple[int | None, ...],
-                 dtype: torch.dtype) -> list[QuantLinear]:
-        parts = self.parts.get(target, {})
-        experts = moe.gate.out_features
-        want = {(e, h) for e in range(experts) for h in halves}
+    def _linears(self, target: str) -> list[QuantLinear]:
+        built = self.built.pop(target, None)
+        return built if built is not None else self._build(target)
+
+    def _build(self, target: str) -> list[QuantLinear]:
+        """``target``'s experts as ``QuantLinear`` layers (planned and packed with a
+        ``planner``); their parts are let go."""
+        parts = self.parts.pop(target, {})
+        want = _wanted(self.model, target)
         if set(parts) != want:
             raise ValueError(f"quantized {target} is missing experts' weights: "
                              f"{sorted(want - set(parts), key=str)[:4]}")
-        layers = [QuantLinear(cat_rows([parts[(e, h)] for h in halves]), None, dtype)
-                  for e in range(experts)]  # gate rows, then up (cat_rows of one: itself)
-        _check_shapes(target, layers, moe.gate.in_features)
+        halves = _halves(target)
+        layers = []
+        for e in range(len(want) // len(halves)):  # gate rows, then up (cat_rows of one: itself)
+            layer = QuantLinear(cat_rows([parts.pop((e, h)) for h in halves]), None, self.dtype)
+            if self.planner is not None:
+                self.planner.plan(layer)
+            layers.append(layer)
+        _check_shapes(target, layers, self.model.get_submodule(_block(target)).gate.in_features)
         return layers
+
+
+def _block(target: str) -> str:
+    return target.rsplit(".", 2)[0]
+
+
+def _halves(target: str) -> tuple[int | None, ...]:
+    return (0, 1) if target.endswith("gate_up_proj") else (None,)
+
+
+def _complete(model: nn.Module, target: str, parts: dict) -> bool:
+    experts = model.get_submodule(_block(target)).gate.out_features
+    return len(parts) == experts * len(_halves(target)) and set(parts) == _wanted(model, target)
+
+
+def _wanted(model: nn.Module, target: str) -> set[tuple[int, int | None]]:
+    """The (expert, half) parts that make ``target`` whole."""
+    experts = model.get_submodule(_block(target)).gate.out_features
+    return {(e, h) for e in range(experts) for h in _halves(target)}
 
 
 def _check_shapes(target: str, layers: list[QuantLinear], hidden: int) -> None:

@@ -1,5 +1,6 @@
 """The output head under ``--quantization``: int8 with one scale per vocabulary row, which a
-tied model's token embedding reads too.
+tied model's token embedding reads too; an untied embedding is int8 per row as well, in its own
+weight (a vocabulary-wide table is a large share of a MoE model's resident bytes).
 
 At batch 1 every decode step reads the whole head, and a small model's float32 head is a large
 share of the step's bytes; int8 is a quarter of them.
@@ -64,8 +65,10 @@ def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
 
 class QuantEmbedding(nn.Module):
     """Token embedding over an int8 weight with one scale per row: the rows looked up are
-    dequantized to ``dtype`` (bitwise ``weight.dequantize(dtype)[ids]``). Under tensor
-    parallelism the weight is this rank's vocabulary rows, looked up as
+    dequantized to ``dtype`` (bitwise ``weight.dequantize(dtype)[ids]``). A tied model's shares
+    its weight with the ``QuantHead``; an untied model's has its own (under ``int4`` too: a
+    lookup reads a few rows a step, so 4 bits would save memory only, at a coarser grid).
+    Under tensor parallelism the weight is this rank's vocabulary rows, looked up as
     ``VocabParallelEmbedding`` looks up its own."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -134,6 +137,16 @@ class QuantHead(nn.Module):
                 f"{self.plan.describe()}")
 
 
+def leave_vocab_unallocated(model: nn.Module) -> None:
+    """Give the embedding and output head of a model still on the meta device empty weights,
+    so that allocating the model leaves them out: ``--quantization`` replaces both with int8
+    rows as read (a tied pair with one weight)."""
+    for layer in (model.embed_tokens, model.lm_head):
+        if isinstance(layer, (nn.Embedding, nn.Linear)):
+            layer.weight = nn.Parameter(torch.empty(0, device="meta"))
+    model.tie_weights()
+
+
 def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
     """Make ``weight`` (int8, one scale per row) the model's embedding and output head."""
     model.embed_tokens = QuantEmbedding(weight, dtype)
@@ -149,8 +162,7 @@ def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     if not isinstance(head, QuantHead):
         return {}
     w = head.weight_format
-    linears = sum(m.weight_format.nbytes for m in model.modules()
-                  if isinstance(m, QuantLinear) and m.weight_format is not None)
+    linears = sum(m.format_nbytes for m in model.modules() if isinstance(m, QuantLinear))
     one_layout = linears + w.nbytes > two_layouts_max_bytes
     methods = candidate_methods(w, w.q.device, head.dtype)
     if one_layout and head.dtype != torch.float32:

@@ -75,7 +75,9 @@ def test_float_checkpoints_load_whole_onto_the_device(model_dirs, quantization, 
     model = _load_on_meta(model_dirs[tie], quantization)
     if quantization is not None:
         assert isinstance(model.lm_head, QuantHead)
-        assert isinstance(model.embed_tokens, QuantEmbedding) == (tie == "tied")
+        assert isinstance(model.embed_tokens, QuantEmbedding)  # int8 rows, tied or not
+        assert (model.embed_tokens.weight_format is model.lm_head.weight_format) == (
+            tie == "tied")
         assert any(isinstance(m, QuantLinear) for m in model.modules())
     assert stray_tensors(model, "meta") == []
 

@@ -5,6 +5,7 @@ between two steps, and the tokens go on as they would have on either path."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -266,3 +267,27 @@ def test_noisy_plans_timed_again_to_the_same_choices_stand(monkeypatch, tmp_path
     assert noisy and all(p.confirmed and not p.provisional for p in noisy)
     again = _engine().executor.runner
     assert again._upgrades.pending is None  # the next start trusts them
+
+
+def test_a_plans_upgrade_reads_after_the_first_model_and_borrows_from_it(monkeypatch,
+                                                                         tmp_path):
+    """On an empty plan cache the timed model is read once the untimed one is (two reads at
+    once would peak at both), and its load is handed the model that serves meanwhile (whose
+    int8 embedding and head it takes, ``LoadOptions.reuse``)."""
+    monkeypatch.setattr(selector, "_mode", "auto")
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(model_upgrade, "needs_background_build", lambda: False)
+    calls = []
+
+    def load(timed, cache, serving):
+        calls.append(("start", timed, serving))
+        if not timed:
+            time.sleep(0.2)  # an upgrade started beside this read would start in between
+        calls.append(("end", timed))
+        return f"model timed={timed}"
+
+    upgrades = model_upgrade.CpuUpgrades(load, lambda model: None, "sig", lambda: 0.0)
+    assert upgrades.start() == "model timed=False"
+    assert upgrades.pending.future.result(timeout=30) == "model timed=True"
+    assert calls == [("start", False, None), ("end", False),
+                     ("start", True, "model timed=False"), ("end", True)]

@@ -1,11 +1,12 @@
 """Quantized experts (``gpu/quantization/experts.py``): the MoE block over int8 and int4
 experts against the token loop on the same weights dequantized, and ``--quantization``'s
 loading: every expert quantized as the dense linears' quantizers give it, from both checkpoint
-forms, with no float experts kept beside them."""
+forms, with no float experts kept beside them, and on the CPU each layer's packed as read."""
 
 from __future__ import annotations
 
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu.selector import Plan
 from tidal.gpu.layers import clamped_swiglu
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import LoadOptions, read_model
+from tidal.gpu.model_loader import LoadOptions, load_model, read_model
 from tidal.gpu.moe import GATHERED, ExpertExtras, MoE, Routing, moe_reference, route
+from tidal.gpu.quantization import experts as experts_module
 from tidal.gpu.quantization.experts import QuantExperts, expert_bytes
-from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.linear import QuantLinear, QuantPacks
 from tidal.gpu.quantization.weights import quantize
 from tidal.gpu.random_model import build_model_dir
 
@@ -102,3 +104,42 @@ def test_quantization_quantizes_every_expert_and_drops_the_float_ones(method, tm
                     assert torch.equal(ours.weight_format.scales, want.scales)
         quant_bytes = sum(expert_bytes(m) for m in blocks)
         assert quant_bytes * (3.5 if method == "int8" else 3) < float_bytes
+
+
+def test_a_cpu_load_packs_each_layers_experts_as_soon_as_they_are_read(tmp_path, monkeypatch):
+    """``load_model`` on the CPU plans and packs a layer's experts once all of them are read:
+    each expert's packed layouts are those of the quantizer's own output on HF's weights, and
+    no more than one stacked parameter's experts are ever held unpacked at once (the
+    quantizer's outputs still alive, counted as each is made; holding them all until the
+    model was read kept every layer's)."""
+    per_expert = build_model_dir(tmp_path / "per_expert", "mixtral")
+    hf = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float32)
+    fused = _fused_copy(per_expert, hf, tmp_path / "fused")
+    cfg = ModelConfig.from_dir(fused)
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def counted(weight: torch.Tensor, method: str, group_size: int = 32):
+        nonlocal most
+        out = quantize(weight, method, group_size)
+        alive.append(weakref.ref(out.q))
+        most = max(most, sum(ref() is not None for ref in alive))
+        return out
+
+    monkeypatch.setattr(experts_module, "quantize", counted)
+    model = load_model(fused, cfg, _options(quantization="int4", timed=False)).model
+    assert len(alive) == cfg.num_layers * cfg.num_experts * 3  # gate, up and down apart
+    assert 0 < most <= 2 * cfg.num_experts  # one layer's gate and up halves at most
+    for layer, moe in enumerate(m for m in model.modules() if isinstance(m, MoE)):
+        hf_experts = hf.model.layers[layer].mlp.experts
+        for e in range(cfg.num_experts):
+            for ours, theirs in ((moe.experts.gate_up_proj[e], hf_experts.gate_up_proj[e]),
+                                 (moe.experts.down_proj[e], hf_experts.down_proj[e])):
+                assert ours.packs is not None and ours.plan_name is not None
+                want = QuantPacks(quantize(theirs.detach(), "int4"), ours.plan.used(),
+                                  torch.float32)
+                for got, ref in ((ours.packs.tidal, want.tidal), (ours.packs.dot, want.dot),
+                                 (ours.packs.aten, want.aten)):
+                    assert (got is None) == (ref is None)
+                    for a, b in zip(got or (), ref or ()):
+                        assert torch.equal(a, b)

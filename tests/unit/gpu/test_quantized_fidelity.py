@@ -37,9 +37,11 @@ FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64
 # Bounds against the float original: the top logprob at each of the float run's tokens (nats,
 # for TOP_LOGPROB_SHARE of them), and the embedded model's held-out loss (nats per character)
 # rising by at most a fraction. A random network is chaotic: any perturbation of its weights
-# moves its logits several times further than a trained one's, so its bound is wider.
+# moves its logits several times further than a trained one's, so its bound is wider, and its
+# share noise-bound too (int8 embedding rows took random Qwen3's from 0.996 to 0.988; rows in
+# groups of 32 only to 0.990).
 TOP_LOGPROB_NATS = {"default": 0.05, "llama": 0.1, "qwen3": 0.1}
-TOP_LOGPROB_SHARE = 0.99
+TOP_LOGPROB_SHARE = {"default": 0.99, "llama": 0.98, "qwen3": 0.98}
 HELD_OUT_RISE = {"int8": 0.01, "int4g32": 0.05}
 # The most a greedy step of the random Llama on the dot kernel moves from HF multiplying the
 # same rounded rows: inputs rounded apart at a boundary, carried on by the later steps.
@@ -48,9 +50,10 @@ FLIPPED_ROUNDING_NATS = 0.15
 
 def hf_twin(path: str, fmt: str, rounded: bool = False):
     """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
-    dequantized, and the output head (a tied model's embedding with it) as int8 per row: the
-    reference tidal's quantized engine is held to. ``rounded``: its linears and head as the dot
-    kernel multiplies, with float16 scales and offsets and inputs rounded to int8 per block."""
+    dequantized, and the output head and the input embedding (one weight where tied) as int8
+    per row: the reference tidal's quantized engine is held to. ``rounded``: its linears and
+    head as the dot kernel multiplies, with float16 scales and offsets and inputs rounded to
+    int8 per block."""
     method, group = FORMATS[fmt]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE)
     if rounded:
@@ -65,6 +68,9 @@ def hf_twin(path: str, fmt: str, rounded: bool = False):
     int8_head = quantize_int8(head.cpu())
     with torch.no_grad():
         head.copy_(int8_head.dequantize().to(head.device))
+        embedding = hf.get_input_embeddings().weight  # an untied one: int8 rows of its own
+        if embedding is not head:
+            embedding.copy_(quantize_int8(embedding.cpu()).dequantize().to(embedding.device))
     if rounded:  # the head on the dot kernel; a tied embedding keeps the exact rows
         hf.lm_head.weight = torch.nn.Parameter(
             int8_head.float16_params().dequantize().to(head.device))
@@ -229,7 +235,7 @@ def test_int8_top_logprobs_stay_within_bounds_of_float(which, rounded, tmp_path_
     got = top_logprobs(hf_twin(path, fmt, rounded).eval(), sequences, lens)
     assert ref.numel() == 8 * 64
     within = ((got - ref).abs() <= TOP_LOGPROB_NATS[which]).float().mean().item()
-    assert within >= TOP_LOGPROB_SHARE, f"only {within:.3f} of tokens within bounds"
+    assert within >= TOP_LOGPROB_SHARE[which], f"only {within:.3f} of tokens within bounds"
 
 
 @pytest.mark.slow

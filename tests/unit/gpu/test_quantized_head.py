@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.attention.paged_layout import paged_layout, random_caches
@@ -98,12 +99,39 @@ def test_a_tied_quantized_model_reads_one_int8_weight(tied_dir):
     torch.testing.assert_close(head(x), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_an_untied_head_is_int8_alone_and_float_models_keep_theirs(tied_dir, tmp_path):
+def test_an_untied_embedding_is_int8_rows_of_its_own_and_float_models_keep_theirs(tied_dir,
+                                                                                   tmp_path):
+    """Under --quantization an untied model's head and embedding are each int8 per row, the
+    checkpoint's own rows quantized (a quarter of float32's bytes, half of bfloat16's); the
+    lookup gives those rows dequantized, bitwise."""
     untied = build_model_dir(tmp_path, "qwen2", hidden_size=128)
     model = _read(untied)
     assert isinstance(model.lm_head, QuantHead)
-    assert isinstance(model.embed_tokens, torch.nn.Embedding)  # the embedding keeps its dtype
+    embed = model.embed_tokens
+    assert isinstance(embed, QuantEmbedding)
+    assert embed.weight_format is not model.lm_head.weight_format
+    with safe_open(str(untied / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    want = quantize_int8(table)
+    assert torch.equal(embed.weight_format.q, want.q)
+    assert torch.equal(embed.weight_format.scales, want.scales)
+    ids = torch.tensor([0, 5, 7, table.shape[0] - 1])
+    assert torch.equal(embed(ids), want.dequantize(torch.bfloat16)[ids])
+    assert embed.weight_format.nbytes < table.numel() * 2 * 0.52  # vs bfloat16's bytes
+    assert isinstance(_read(untied, quantization=None).embed_tokens, torch.nn.Embedding)
     assert isinstance(_read(tied_dir, quantization=None).lm_head, torch.nn.Linear)
+
+
+def test_an_upgrade_takes_the_int8_rows_of_the_model_it_replaces(tied_dir, tmp_path):
+    """A model read again for its timed plans (``LoadOptions.reuse``) holds the serving
+    model's int8 embedding and head, not a second copy of them."""
+    for path in (build_model_dir(tmp_path, "qwen2", hidden_size=128), tied_dir):
+        first = _read(path)
+        second = read_model(path, ModelConfig.from_dir(path), LoadOptions(
+            get_attention_backend("cpu", "cpu"), 512, torch.bfloat16, "cpu",
+            quantization="int4", reuse=first))
+        assert second.lm_head.weight_format is first.lm_head.weight_format
+        assert second.embed_tokens.weight_format is first.embed_tokens.weight_format
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
