@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.gpu.cpu.thread_governor import ThreadGovernor
+from tidal.gpu.cpu.thread_governor import ThreadGovernor, set_step_threads
 
 SLOW = 1.5  # a window's median this many times its bucket's baseline: a slow window
 WINDOW = 32  # decode steps a window
@@ -38,7 +38,7 @@ class StepWatch:
     """Decode steps' times, a window at a time, per (rows, context) bucket."""
 
     def __init__(self, threads: int = 0,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = set_step_threads) -> None:
         self.governor = ThreadGovernor(threads or torch.get_num_threads(), set_threads)
         self.reset()
 

@@ -10,7 +10,7 @@ So the governor compares: when the steps turn slow (a window's median ``SLOW`` t
 they ran at when the count was last chosen, as a share of their bucket's baseline,
 ``step_watch``) and otherwise ``FIRST_PROBE`` steps after the start, then four times as many
 steps each time up to every ``PROBE_EVERY`` (a start under load has slow baselines, so only a
-probe tells), it runs windows
+probe tells; a probe whose other count ran clearly slower waits the longest), it runs windows
 of steps at the full thread count and at one thread fewer, alternated, and keeps the count
 whose steps ran faster by more than ``MARGIN``. A co-tenant that comes and goes is followed
 both ways; a quiet host keeps its full count (the probe costs a few dozen steps in thousands).
@@ -24,15 +24,29 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-WINDOW = 16  # steps a probe window
+import torch
+
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+
+WINDOW = 8  # steps a probe window
 ROUNDS = 2  # each count's windows in a probe, alternated
 FIRST_PROBE = 64  # steps to the first probe; each next one four times further, up to
 PROBE_EVERY = 4096  # steps between probes when nothing looks slow
 SLOW = 1.5  # a window this many times its baseline: probe now
 MARGIN = 0.85  # the other count is kept when its median is below this share of the current's
+CLEAR = 1.2  # the other count this many times slower: no need to look again soon
 
 
 logger = logging.getLogger(__name__)
+
+
+def set_step_threads(n: int) -> None:
+    """Run this thread's torch work on ``n`` threads, their denormals flushed as the pool's
+    were (``kernels.denormals_flushed``): threads the pool starts anew would not be."""
+    torch.set_num_threads(n)
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        kernels.flush_denormals_in_pool()
 
 
 def _median(values: list[float]) -> float:
@@ -94,6 +108,8 @@ class ThreadGovernor:
             self.set_threads(self.plan[0])
             return
         other = next(t for t in self.probe if t != self.current)
+        if _median(self.probe[other]) > CLEAR * _median(self.probe[self.current]):
+            self.probe_after = PROBE_EVERY  # a clear answer: the host is as it was
         if _median(self.probe[other]) < MARGIN * _median(self.probe[self.current]):
             logger.info("decode steps on %d threads from now: %.2fx faster than on %d",
                         other, _median(self.probe[self.current]) / _median(self.probe[other]),

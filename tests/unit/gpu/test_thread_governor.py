@@ -36,7 +36,7 @@ def test_a_quiet_host_keeps_every_thread_and_probes_rarely() -> None:
     _run(governor, host, 3 * thread_governor.PROBE_EVERY)
     assert governor.current == 2 and host.threads == 2
     probes = host.set.count(1) // thread_governor.ROUNDS
-    assert 4 <= probes <= 7  # after 64, 256, 1024 steps, then every PROBE_EVERY
+    assert 2 <= probes <= 4  # after 64 steps, then (a clear answer) every PROBE_EVERY
 
 
 def test_a_co_tenant_moves_the_steps_to_one_thread_fewer_and_back() -> None:
