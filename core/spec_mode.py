@@ -16,10 +16,8 @@ are worth more than what it costs, and the engine asks before each step:
 Every measured step, of either mode, weighs both modes' past down, so the mode not chosen is
 judged by its latest probe rather than by runs long gone (the ratios hold between probes).
 The mode not chosen is probed for ``PROBE_STEPS`` steps now and then: the gap between probes
-doubles while they confirm the choice (up to ``MAX_GAP`` steps; at once to it where one mode
-yields ``CLEAR`` times the other's tokens a second, since a probe of the losing mode costs its
-steps, a draft model's catch-up among them) and starts again at ``MIN_GAP`` when the choice
-flips, so a change of workload is seen and followed.
+doubles while they confirm the choice (up to ``MAX_GAP`` steps) and starts again at
+``MIN_GAP`` when the choice flips, so a change of workload is seen and followed.
 ``forced`` pins the answer (tests that check speculation itself).
 """
 
@@ -35,7 +33,6 @@ from tidal.core.spec_policy import StepCost
 PROBE_STEPS = 3  # a probe's first step follows the other mode: it is not measured
 MIN_GAP = 16  # steps of the chosen mode before the other is probed, after a flip
 MAX_GAP = 256  # the longest gap between probes
-CLEAR = 1.2  # one mode this many times the other's tokens a second: probes MAX_GAP apart
 FIT_DECAY = 0.9  # per step of either mode: a probe's steps, not old runs, must decide
 OUTLIER = 2.0  # a step counts at most this times its prediction (a stall, a first shape)
 YIELD_DECAY = 0.8  # per measured step of either mode, in the tokens-per-request mean
@@ -82,8 +79,6 @@ class StepModes:
             self.speculating = pays
             self._gap = MIN_GAP
             self._until_probe = MIN_GAP
-        elif pays is not None and self._clear(len(running)):
-            self._gap = MAX_GAP
         return self.speculating
 
     def pays(self, num_requests: int) -> bool | None:
@@ -94,15 +89,6 @@ class StepModes:
         if t_plain is None or t_spec is None or gain is None:
             return None
         return gain * t_plain > t_spec
-
-    def _clear(self, num_requests: int) -> bool:
-        """Whether one mode's tokens a second are ``CLEAR`` times the other's."""
-        t_plain = self.plain_cost.predict(num_requests)
-        t_spec = self.spec_cost.predict(num_requests)
-        gain = self.spec_yield
-        assert t_plain is not None and t_spec is not None and gain is not None
-        ratio = gain * t_plain / t_spec
-        return ratio > CLEAR or ratio * CLEAR < 1
 
     def observe_step(self, sched: SchedulerOutput, speculated: bool, seconds: float,
                      num_accepted: int, runs_only: bool) -> None:

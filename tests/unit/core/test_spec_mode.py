@@ -103,11 +103,3 @@ def test_with_async_scheduling_off_the_first_step_of_a_run_is_not_measured():
     assert modes.plain_cost.predict(2) is None
     modes.observe_step(plain, False, 0.01, 0, runs_only=True)
     assert modes.plain_cost.predict(2) == 0.01 and modes.pays(2) is True
-
-
-def test_a_clear_loss_is_probed_at_the_longest_gap():
-    modes = StepModes()
-    # speculating yields 1.3 tokens for 1.75 times the seconds: 0.74x, a clear loss
-    chosen = _run(modes, 100 + 2 * MAX_GAP, 32, 0.020, 0.035, 0.3)
-    probes = [i for i in range(101, len(chosen)) if chosen[i] and not chosen[i - 1]]
-    assert len(probes) <= 2 and all(b - a >= MAX_GAP for a, b in zip(probes, probes[1:]))
