@@ -243,9 +243,9 @@ class DraftRunner:
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         width = -(-int(seq_lens.max()) // bs)
-        seen = AttentionRows(np.arange(len(lens)), cu, seq_lens, int(lens.max()))
-        if self.device == "cpu" and seen.max_query_len <= self.k + 1:  # accepted runs + 1
-            seen = AttentionRows.one_per_token(token_req, positions)
+        seen = AttentionRows.of_step(  # a catch-up after a verification: accepted run + 1
+            np.arange(len(lens)), cu, seq_lens, token_req, positions, int(lens.max()),
+            turn_up_to=self.k + 1 if self.device == "cpu" else 0)
         dev = self._to_device
         meta = AttentionMetadata(
             num_actual_tokens=int(cu[-1]), query_start_loc=dev(seen.cu.astype(np.int32)),

@@ -35,7 +35,7 @@ from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
-from tidal.gpu.spec_step import spec_rows, verify_rows, write_drafts
+from tidal.gpu.spec_step import AttentionRows, spec_rows, write_drafts
 from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
@@ -317,10 +317,10 @@ class ModelRunner(KVCacheSetup):
         slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         max_seq = max(seq_lens_cpu)
-        seen = verify_rows(spec, rows, token_rows, cu, positions, seq_lens,
-                           layout.max_query_len, one_row_each=self.device == "cpu")
+        longest = 1 + max(map(len, spec.values())) if spec and self.device == "cpu" else 0
+        seen = AttentionRows.of_step(rows, cu, seq_lens, token_rows, positions,
+                                     layout.max_query_len, turn_up_to=longest)
         block_table = self.batch.block_table[seen.rows, : -(-max_seq // bs)]
-
         to_dev = self._to_device
         input_ids_dev = to_dev(input_ids)
         if in_flight:

@@ -46,17 +46,16 @@ class AttentionRows:
         n = len(positions)
         return cls(token_rows, np.arange(n + 1, dtype=np.int64), positions + 1, 1)
 
-
-def verify_rows(spec: dict[str, list[int]], rows: np.ndarray, token_rows: np.ndarray,
-                cu: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
-                max_query_len: int, one_row_each: bool) -> AttentionRows:
-    """A verifying step's attention, its rows one request each where ``one_row_each`` and
-    its longest query is a verification (no longer than its proposals + 1): prefill chunks
-    attend as chunks."""
-    longest = 1 + max((len(d) for d in spec.values()), default=0)
-    if one_row_each and spec and max_query_len <= longest:
-        return AttentionRows.one_per_token(token_rows, positions)
-    return AttentionRows(rows, cu, seq_lens, max_query_len)
+    @classmethod
+    def of_step(cls, rows: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
+                token_rows: np.ndarray, positions: np.ndarray, max_query_len: int,
+                turn_up_to: int) -> AttentionRows:
+        """A step's requests as they are, or one per token (``one_per_token``) where its
+        longest query is at most ``turn_up_to`` (a verification's proposals + 1; 0: never):
+        prefill chunks attend as chunks."""
+        if max_query_len <= turn_up_to:
+            return cls.one_per_token(token_rows, positions)
+        return cls(rows, cu, seq_lens, max_query_len)
 
 
 def write_drafts(batch: InputBatch, states: list[CachedRequestState],
