@@ -243,9 +243,10 @@ class DraftRunner:
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         width = -(-int(seq_lens.max()) // bs)
-        seen = AttentionRows.of_step(  # a catch-up after a verification: accepted run + 1
+        seen = AttentionRows.of_step(  # a catch-up after a verification: the last known token
+            # again (the target computed it this step), its accepted run and its new token
             np.arange(len(lens)), cu, seq_lens, token_req, positions, int(lens.max()),
-            turn_up_to=self.k + 1 if self.device == "cpu" else 0)
+            turn_up_to=self.k + 2 if self.device == "cpu" else 0)
         dev = self._to_device
         meta = AttentionMetadata(
             num_actual_tokens=int(cu[-1]), query_start_loc=dev(seen.cu.astype(np.int32)),

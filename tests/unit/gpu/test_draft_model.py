@@ -58,6 +58,22 @@ def pair(tmp_path_factory) -> dict[str, str]:
             "random": str(random_draft)}
 
 
+def _spy_on_the_drafts_cpu_forward(llm: LLM) -> list[int]:
+    """The longest query of each of the draft's forwards on the CPU."""
+    drafter = llm.engine.executor.runner.drafter
+    queries: list[int] = []
+    if drafter.cpu is None:
+        return queries
+    forward = drafter.cpu.forward
+
+    def spy(ids, positions, kv_caches, meta):
+        queries.append(meta.max_query_len)
+        return forward(ids, positions, kv_caches, meta)
+
+    drafter.cpu.forward = spy
+    return queries
+
+
 def _spec(draft: str) -> dict:
     return {"model": draft, "num_speculative_tokens": 4}  # vLLM's spelling: no method
 
@@ -87,7 +103,11 @@ def test_greedy_with_a_draft_gives_the_tokens_without(pair, draft):
     want = _completions(LLM(pair["target"], **args).generate(_prompts(), params,
                                                              use_tqdm=False))
     spec = speculating(LLM(pair["target"], speculative_config=_spec(pair[draft]), **args))
+    queries = _spy_on_the_drafts_cpu_forward(spec)
     _assert_same(_completions(spec.generate(_prompts(), params, use_tqdm=False)), want)
+    # on the CPU a catch-up (the last known token, the accepted run, the new token: up to
+    # k + 2) runs as decode rows in the one-call decode step, never as a prefill-style chunk
+    assert not [q for q in queries if 1 < q <= 4 + 2], queries
     if draft == "random":
         return
     # again: the prompts' blocks are cached, the draft's KV in them with the target's
