@@ -11,7 +11,10 @@ are worth more than what it costs, and the engine asks before each step:
   fitted against the step's requests as ``StepCost`` fits rows, both over pure decode steps
   only;
 - the tokens a speculating step yields per request (accepted proposals and one more), a
-  decayed mean; a plain step yields one;
+  decayed mean; a plain step yields one. Acceptance comes in stretches (text the proposer
+  knows, then text it does not), so the mean follows it closely while speculating; while plain
+  steps run it drifts back to its long-run value (a slower mean), so the dip that turned
+  speculation off does not decide every step until the next probe;
 - a step of ``n`` requests speculates when ``yield * T_plain(n) > T_spec(n)``.
 Every measured step, of either mode, weighs both modes' past down, so the mode not chosen is
 judged by its latest probe rather than by runs long gone (the ratios hold between probes).
@@ -36,6 +39,7 @@ MAX_GAP = 256  # the longest gap between probes
 FIT_DECAY = 0.9  # per step of either mode: a probe's steps, not old runs, must decide
 OUTLIER = 2.0  # a step counts at most this times its prediction (a stall, a first shape)
 YIELD_DECAY = 0.8  # per measured step of either mode, in the tokens-per-request mean
+LONG_RUN_DECAY = 0.98  # per speculating step, in the long-run mean it drifts back to
 
 
 @dataclass
@@ -47,6 +51,7 @@ class StepModes:
     speculating: bool = False  # the mode judged faster
     forced: bool | None = None  # set: every step's answer, nothing measured decides
     _yield_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, requests
+    _long_run_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _probe_left: int = 0  # steps left of the probe running
     _until_probe: int = PROBE_STEPS  # steps of the chosen mode before the next probe
     _gap: int = MIN_GAP // 2
@@ -110,7 +115,14 @@ class StepModes:
         if sched.total_num_scheduled_tokens == n > 0:
             _observe(self.plain_cost, n, seconds)
             self.spec_cost.fade()
-            self._yield_sums = [YIELD_DECAY * x for x in self._yield_sums]
+            tokens, requests = self._long_run_sums
+            long_run = tokens / requests if requests else None
+            sums = self._yield_sums
+            if long_run is None:
+                self._yield_sums = [YIELD_DECAY * x for x in sums]
+            else:  # the long-run mean weighs in as a speculating step of n requests would
+                self._yield_sums = [YIELD_DECAY * sums[0] + n * long_run,
+                                    YIELD_DECAY * sums[1] + n]
 
     def observe_spec(self, sched: SchedulerOutput, seconds: float, num_accepted: int) -> None:
         """A speculating step took ``seconds`` and its targets accepted ``num_accepted`` of
@@ -121,9 +133,10 @@ class StepModes:
             return  # a prefill chunk in it: not a decode step
         _observe(self.spec_cost, n, seconds)
         self.plain_cost.fade()
-        sums = self._yield_sums
-        sums[0] = YIELD_DECAY * sums[0] + n + num_accepted
-        sums[1] = YIELD_DECAY * sums[1] + n
+        for sums, decay in ((self._yield_sums, YIELD_DECAY),
+                            (self._long_run_sums, LONG_RUN_DECAY)):
+            sums[0] = decay * sums[0] + n + num_accepted
+            sums[1] = decay * sums[1] + n
 
 
 def _observe(cost: StepCost, rows: int, seconds: float) -> None:

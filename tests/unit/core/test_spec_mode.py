@@ -103,3 +103,15 @@ def test_with_async_scheduling_off_the_first_step_of_a_run_is_not_measured():
     assert modes.plain_cost.predict(2) is None
     modes.observe_step(plain, False, 0.01, 0, runs_only=True)
     assert modes.plain_cost.predict(2) == 0.01 and modes.pays(2) is True
+
+
+def test_a_dip_in_acceptance_turns_speculation_off_only_for_a_few_steps():
+    """Acceptance comes in stretches: after a few rejected steps the plain steps bring the
+    yield back to its long-run mean, and speculation resumes well before the next probe."""
+    modes = StepModes()
+    _run(modes, 200, 1, 0.010, 0.020, 1.8)  # pays on average: 2.8 tokens for 2x a step
+    assert modes.speculating
+    chosen = _run(modes, 6, 1, 0.010, 0.020, 0.0)  # a stretch the proposer does not know
+    assert not all(chosen)
+    after = _run(modes, 12, 1, 0.010, 0.020, 1.8)
+    assert sum(after) >= 10
