@@ -17,10 +17,9 @@ matches, given the same context (the chance a proposal is accepted).
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from tidal.gpu.training.corpus import parse_speeches, read_split
 from tidal.gpu.training.examples import ExampleSampler, MixConfig
+from tidal.gpu.training.train_default import parse_config
 
 IGNORE = -100  # the label HF's loss skips
 
@@ -51,14 +51,8 @@ class DistillConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> DistillConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for f in fields(DistillConfig):
-        name = "--" + f.name.replace("_", "-")
-        if f.name in ("data", "target", "draft", "out"):
-            parser.add_argument(name, required=True)
-        else:
-            parser.add_argument(name, type=type(f.default), default=f.default)
-    return DistillConfig(**vars(parser.parse_args(argv)))
+    return parse_config(DistillConfig, __doc__.split("\n\n")[0],
+                        ("data", "target", "draft", "out"), argv)
 
 
 def prompts(sampler: ExampleSampler, rng: random.Random, num: int, cfg: DistillConfig

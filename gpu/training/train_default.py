@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -34,6 +35,7 @@ from tidal.gpu.training.examples import ExampleSampler, MixConfig
 from tidal.gpu.training.heldout import nats_per_char
 from tidal.gpu.training.tokenizer import EOS, train_tokenizer
 
+T = TypeVar("T")
 MONITOR_CHARS = 30_000  # held-out characters scored at each evaluation during training
 
 
@@ -63,17 +65,24 @@ class TrainConfig:
     tokenizer: str = ""  # a saved tokenizer to reuse (a draft's: its target's); "": train one
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for f in fields(TrainConfig):
+def parse_config(cls: type[T], description: str, required: tuple[str, ...],
+                 argv: list[str] | None = None) -> T:
+    """A training config dataclass from the command line: a flag per field (``--lr``),
+    ``required`` ones without a default, booleans as switches."""
+    parser = argparse.ArgumentParser(description=description)
+    for f in fields(cls):  # type: ignore[arg-type]
         name = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             parser.add_argument(name, action="store_true")
-        elif f.name in ("data", "out"):
+        elif f.name in required:
             parser.add_argument(name, required=True)
         else:
             parser.add_argument(name, type=type(f.default), default=f.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    return parse_config(TrainConfig, __doc__.split("\n\n")[0], ("data", "out"), argv)
 
 
 def build_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
