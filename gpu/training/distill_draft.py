@@ -118,9 +118,9 @@ def distill(cfg: DistillConfig) -> PreTrainedModel:
                               cfg.seed + 1)
     start = time.perf_counter()
     train_prompts = prompts(train_src, rng, cfg.num_sequences, cfg)
-    train_rows = continue_greedily(cfg.target, train_prompts, cfg.reply_len)
     held_prompts = prompts(held_src, rng, 64, cfg)
-    held_rows = continue_greedily(cfg.target, held_prompts, cfg.reply_len)
+    rows = continue_greedily(cfg.target, train_prompts + held_prompts, cfg.reply_len)
+    train_rows, held_rows = rows[:len(train_prompts)], rows[len(train_prompts):]
     print(f"{len(train_rows)} teacher replies in {time.perf_counter() - start:.0f} s", flush=True)
     train_lens, held_lens = list(map(len, train_prompts)), list(map(len, held_prompts))
     draft = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=torch.float32).train()
