@@ -17,7 +17,7 @@ Two workloads:
 
     python -m bench.spec_decode [--output-len 128] [--workloads repeating embedded]
         [--async-scheduling] [--methods none ngram suffix draft_model suffix-16-f2 ...]
-        [--repeats 3]
+        [--repeats 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ def repeating_model(root: Path) -> Path:
     return path
 
 
-def prompts_for(workload: str, model: str, num: int, output_len: int) -> list[Any]:
+def prompts_for(workload: str, model: str, num: int, output_len: int,
+                device: str = "cpu") -> list[Any]:
     if workload == "repeating":
         passages = random_prompts(num, 64, 128, 8192, seed=3)
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            replies = pool.submit(continuations, model, passages, output_len).result()
+            replies = pool.submit(continuations, model, passages, output_len, device).result()
         return [p + g + p for p, g in zip(passages, replies)]
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     from transformers import AutoTokenizer
@@ -88,21 +89,24 @@ def prompts_for(workload: str, model: str, num: int, output_len: int) -> list[An
     return out
 
 
-def continuations(model: str, prompts: list[Any], output_len: int) -> list[list[int]]:
+def continuations(model: str, prompts: list[Any], output_len: int,
+                  device: str = "cpu") -> list[list[int]]:
     """The model's greedy continuation of each prompt."""
     from tidal.core import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", max_num_seqs=32)
+    llm = LLM(model, device=device, max_num_seqs=32)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
-            output_len: int, async_scheduling: bool | None = None) -> dict[str, Any]:
-    """In a fresh process: a warm-up, then the prompts ``concurrency`` at a time."""
+            output_len: int, async_scheduling: bool | None = None,
+            device: str = "cpu") -> dict[str, Any]:
+    """In a fresh process: a warm-up, then the prompts ``concurrency`` at a time (in the
+    device's default dtype: float32 on the CPU, bfloat16 on a GPU)."""
     from tidal.core import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", max_num_seqs=max(concurrency, 1),
+    llm = LLM(model, device=device, max_num_seqs=max(concurrency, 1),
               speculative_config=spec, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:concurrency], params, use_tqdm=False)  # warm-up
@@ -122,7 +126,7 @@ def run_one(model: str, spec: dict | None, prompts: list[Any], concurrency: int,
 
 def measure(model: str, prompts: list[Any], concurrency: int, output_len: int,
             methods: dict[str, dict[str, Any] | None] = METHODS,
-            async_scheduling: bool | None = None, repeats: int = 1
+            async_scheduling: bool | None = None, repeats: int = 1, device: str = "cpu"
             ) -> dict[str, dict[str, Any]]:
     """Each method's run, ``repeats`` rounds of every method in turn (so a slow moment of the
     host falls on one round, not one method); a ratio against none is taken within a round,
@@ -136,7 +140,7 @@ def measure(model: str, prompts: list[Any], concurrency: int, output_len: int,
                 continue  # no draft ships with this model
             with ProcessPoolExecutor(1, mp_context=ctx) as pool:
                 row[name] = pool.submit(run_one, model, spec, prompts, concurrency,
-                                        output_len, async_scheduling).result()
+                                        output_len, async_scheduling, device).result()
             row[name]["vs_none"] = row[name]["output_tok_s"] / row["none"]["output_tok_s"]
             print(f"  c{concurrency} {name:7s} {row[name]['output_tok_s']:8.1f} tok/s "
                   f"{row[name]['vs_none']:.2f}x acceptance {row[name]['acceptance']}",
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                     "draft_model)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every method in turn; the median round's ratio is kept")
+    ap.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (with CUDA graphs)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="for every configuration, none's included (default: the engine's)")
     args = ap.parse_args(argv)
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                                   "c1": args.c1_requests, "c32": args.c32_requests},
                               "methods": methods,
                               "async_scheduling": args.async_scheduling,
-                              "repeats": args.repeats,
+                              "repeats": args.repeats, "device": args.device,
                               "load_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads:
@@ -187,9 +192,10 @@ def main(argv: list[str] | None = None) -> None:
                      else str(DEFAULT_MODEL))
             print(workload, flush=True)
             result[workload] = {
-                f"c{c}": measure(model, prompts_for(workload, model, n, args.output_len), c,
-                                 args.output_len, methods, args.async_scheduling,
-                                 args.repeats)
+                f"c{c}": measure(model, prompts_for(workload, model, n, args.output_len,
+                                                    args.device),
+                                 c, args.output_len, methods, args.async_scheduling,
+                                 args.repeats, args.device)
                 for c, n in ((1, args.c1_requests), (32, args.c32_requests))
                 if c in args.concurrency}
     result["load_after"] = list(os.getloadavg())

@@ -3,8 +3,12 @@
 A decode step launches a few hundred small kernels whose launch time, not their work, bounds
 the step at small batches. Each padded batch size (1, 2, 4, 8, then steps of 16 up to
 ``max_num_seqs``) gets one graph of the model's forward, captured once after the KV cache is
-allocated. All graphs read the same static input buffers (token ids, positions, sequence
-lengths, block table, slot mapping) and share one memory pool, largest captured first.
+allocated. With speculative decoding a step that verifies proposals runs each of them as a
+one-token row of its own (``gpu/spec_step.py``), so it is a decode step too, and the sizes go
+on up to the ``k + 1`` rows of every request (``graph_rows``); a draft model's decode-shaped
+forwards replay graphs of their own. All graphs read the same static input buffers (token
+ids, positions, sequence lengths, block table, slot mapping) and share one memory pool,
+largest captured first.
 
 A step is replayed at the smallest captured size that holds its requests; the padded requests
 have ``seq_len`` 0 and slot ``-1``, so they read and write no KV cache. Graph capture bakes in
@@ -35,22 +39,35 @@ class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs`` (rounded up to 16)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
-    if max_num_seqs > 8:
-        sizes += list(range(16, -(-max_num_seqs // 16) * 16 + 1, 16))
+MAX_SPEC_ROWS = 512  # the most one-token rows a speculating step's graphs are captured for
+
+
+def capture_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_rows`` (rounded up to 16)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_rows]
+    if max_rows > 8:
+        sizes += list(range(16, -(-max_rows // 16) * 16 + 1, 16))
     return sizes
+
+
+def graph_rows(max_num_seqs: int, rows_per_seq: int, max_num_batched_tokens: int) -> int:
+    """The most rows a captured graph takes: a decode step's one a request, or, where a step
+    verifies proposals, each request's ``rows_per_seq`` (its proposals and one more, run as
+    one-token rows: ``gpu/spec_step.py``), up to ``MAX_SPEC_ROWS`` and the step's budget."""
+    if rows_per_seq <= 1:
+        return max_num_seqs
+    return max(max_num_seqs, min(max_num_seqs * rows_per_seq, MAX_SPEC_ROWS,
+                                 max_num_batched_tokens))
 
 
 class CudaGraphRunner:
     """Captures ``forward(input_ids, positions, meta) -> hidden`` at padded batch sizes and
-    replays it for decode-only steps."""
+    replays it for decode-only steps (one query row a request, up to ``max_rows`` rows)."""
 
-    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
+    def __init__(self, forward: Forward, max_rows: int, max_blocks_per_req: int,
                  max_model_len: int, device: str, windowed: bool = False) -> None:
         self.forward = forward
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_rows)
         self.max_model_len = max_model_len
         n = self.sizes[-1]
         with torch.device(device):
@@ -74,7 +91,11 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return bool(self.graphs) and meta.is_decode_only and meta.num_reqs <= self.max_size
+        return meta.is_decode_only and self.holds(meta.num_reqs)
+
+    def holds(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` one-token rows replays a graph."""
+        return bool(self.graphs) and rows <= self.max_size
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -34,6 +34,7 @@ from tidal.core.config import EngineConfig
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.speculative_config import SpeculativeConfig, resolve_draft_model
 from tidal.gpu.attention import AttentionMetadata, get_attention_backend, kv_quant
+from tidal.gpu.cuda_graphs import CudaGraphRunner, graph_rows
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
@@ -120,7 +121,10 @@ class DraftRunner:
         self.max_blocks = -(-max_model_len // config.block_size)
         self.scratch_per_seq = self.k // config.block_size + 2
         self.num_scratch = config.max_num_seqs * self.scratch_per_seq
-        backend = get_attention_backend(config.attention_backend, config.device)
+        self.max_num_seqs, self.max_num_batched_tokens = (config.max_num_seqs,
+                                                          config.max_num_batched_tokens)
+        self.backend = backend = get_attention_backend(config.attention_backend, config.device)
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.model, self.cpu = load_model(path, self.model_config, LoadOptions(
             backend, max_model_len, dtype, config.device,
             max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
@@ -141,6 +145,18 @@ class DraftRunner:
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        """Graphs of the draft's decode-shaped forwards over its allocated cache (its guesses,
+        and a catch-up after a verification as one-token rows), where the target captures its
+        own (``gpu/kv_cache_setup.py``): Triton attention and a dense draft."""
+        if self.cpu is not None or self.backend.name != "triton" or self.model_config.num_experts:
+            return
+        rows = graph_rows(self.max_num_seqs, self.k + 2, self.max_num_batched_tokens)
+        self.cuda_graphs = CudaGraphRunner(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), rows,
+            self.max_blocks + self.scratch_per_seq, self.max_model_len, self.device)
+        self.cuda_graphs.capture()
 
     # -- after a target step ---------------------------------------------------------------
     def note(self, batch: InputBatch, sched: SchedulerOutput) -> DraftedHandle | None:
@@ -243,10 +259,12 @@ class DraftRunner:
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         width = -(-int(seq_lens.max()) // bs)
+        graphs = self.cuda_graphs
+        as_decode = self.device == "cpu" or (graphs is not None and graphs.holds(int(cu[-1])))
         seen = AttentionRows.of_step(  # a catch-up after a verification: the last known token
             # again (the target computed it this step), its accepted run and its new token
             np.arange(len(lens)), cu, seq_lens, token_req, positions, int(lens.max()),
-            turn_up_to=self.k + 2 if self.device == "cpu" else 0)
+            turn_up_to=self.k + 2 if as_decode else 0)
         dev = self._to_device
         meta = AttentionMetadata(
             num_actual_tokens=int(cu[-1]), query_start_loc=dev(seen.cu.astype(np.int32)),
@@ -258,7 +276,9 @@ class DraftRunner:
         ids = dev(np.concatenate(rows.ids).astype(np.int64))
         pos = dev(positions)
         hidden = self.cpu.forward(ids, pos, self.kv_caches, meta) if self.cpu else None
-        if hidden is None:
+        if hidden is None and graphs is not None and graphs.can_run(meta):
+            hidden = graphs.run(ids, pos, meta)
+        elif hidden is None:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         if not logit_rows:
             return []

@@ -17,7 +17,7 @@ from tidal.core.host_tier import KVCopies
 from tidal.core.kv_window import WindowGroup, window_group_for
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.gpu.attention import AttentionBackend, AttentionMetadata, kv_quant
-from tidal.gpu.cuda_graphs import CudaGraphRunner
+from tidal.gpu.cuda_graphs import CudaGraphRunner, graph_rows
 from tidal.gpu.draft_runner import DraftRunner
 from tidal.gpu.kv_copier import KVCopier
 from tidal.gpu.kv_disk_tier import KVDiskTier, manifest
@@ -204,7 +204,7 @@ class KVCacheSetup:
         """Decode-step CUDA graphs over the allocated cache: on the GPU with the Triton
         backend (the torch one reads lengths on the host), unless ``enforce_eager``; not under
         tensor or pipeline parallelism, whose collectives are not captured, nor for MoE models
-        or a pooling runner."""
+        or a pooling runner. A draft model captures its own beside them."""
         if (self.device == "cpu" or self.config.enforce_eager or self.tp.world_size > 1
                 or self.pooler is not None):  # a pooling runner never decodes
             return
@@ -214,7 +214,12 @@ class KVCacheSetup:
         if self.backend.name != "triton":
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")
             return
-        self.cuda_graphs = CudaGraphRunner(self.run_model, self.config.max_num_seqs,
-                                           self.max_blocks_per_req, self.max_model_len,
-                                           self.device, self.window_group is not None)
+        config = self.config
+        rows = graph_rows(config.max_num_seqs, self._max_logits_rows() // config.max_num_seqs,
+                          config.max_num_batched_tokens)
+        self.cuda_graphs = CudaGraphRunner(self.run_model, rows, self.max_blocks_per_req,
+                                           self.max_model_len, self.device,
+                                           self.window_group is not None)
         self.cuda_graphs.capture()
+        if self.drafter is not None:
+            self.drafter.capture_cuda_graphs()

@@ -35,7 +35,7 @@ from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
-from tidal.gpu.spec_step import AttentionRows, spec_rows, write_drafts
+from tidal.gpu.spec_step import AttentionRows, decode_turn, spec_rows, write_drafts
 from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
@@ -317,7 +317,9 @@ class ModelRunner(KVCacheSetup):
         slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         max_seq = max(seq_lens_cpu)
-        longest = 1 + max(map(len, spec.values())) if spec and self.device == "cpu" else 0
+        graphs = self.cuda_graphs
+        longest = decode_turn(spec, self.device == "cpu" or (
+            graphs is not None and graphs.holds(sched.total_num_scheduled_tokens)))
         seen = AttentionRows.of_step(rows, cu, seq_lens, token_rows, positions,
                                      layout.max_query_len, turn_up_to=longest)
         block_table = self.batch.block_table[seen.rows, : -(-max_seq // bs)]

@@ -58,6 +58,13 @@ class AttentionRows:
         return cls(rows, cu, seq_lens, max_query_len)
 
 
+def decode_turn(spec: dict[str, list[int]], as_decode: bool) -> int:
+    """``AttentionRows.of_step``'s ``turn_up_to`` for a step verifying ``spec``: its longest
+    proposals and one more where its rows run as one-token rows (``as_decode``: the CPU's
+    one-call decode step takes them, or a captured CUDA graph holds them all), else 0."""
+    return 1 + max(map(len, spec.values())) if spec and as_decode else 0
+
+
 def write_drafts(batch: InputBatch, states: list[CachedRequestState],
                  spec: dict[str, list[int]]) -> None:
     """Put each request's proposals after its known tokens, where the forward reads its

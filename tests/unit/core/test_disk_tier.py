@@ -22,6 +22,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=Tr
 
 
 def _blocks(path: Path, blocks: int) -> int:
+    """The cache memory of ``blocks`` float32 blocks (the tests name their dtype: a GPU
+    engine would default to bfloat16, twice the blocks)."""
     return blocks * 16 * ModelConfig.from_dir(path).kv_bytes_per_token(4)
 
 
@@ -87,7 +89,7 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk(tmp_path: Path) -> None:
     cache = tmp_path / "kv"
     with pytest.raises(ValueError, match="kv_offload_size"):
         LLM(str(path), kv_offload_path=str(cache))  # a disk needs the host part in front
-    tiers = dict(device=TEST_DEVICE, kv_cache_memory=_blocks(path, 8),
+    tiers = dict(device=TEST_DEVICE, dtype="float32", kv_cache_memory=_blocks(path, 8),
                  kv_offload_size=_blocks(path, 2), kv_offload_path=str(cache),
                  kv_offload_disk_size=_blocks(path, 40), max_num_seqs=1)
     first = LLM(str(path), **tiers)
@@ -134,11 +136,11 @@ def test_a_preempted_request_resumes_alike_by_swap_and_by_recompute(tmp_path: Pa
     path = build_model_dir(tmp_path / "llama", "llama")
     prompts = [_prompt(seed, 20) for seed in (1, 2, 3)]
     params = SamplingParams(max_tokens=28, temperature=0.0, logprobs=2, ignore_eos=True)
-    roomy = LLM(str(path), device=TEST_DEVICE, kv_cache_memory=_blocks(path, 16))
+    roomy = LLM(str(path), device=TEST_DEVICE, dtype="float32", kv_cache_memory=_blocks(path, 16))
     want = roomy.generate(prompts, params, use_tqdm=False)
     assert roomy.engine.stats().num_preemptions == 0
     for method in ("swap", "recompute"):
-        llm = LLM(str(path), device=TEST_DEVICE, kv_cache_memory=_blocks(path, 6),
+        llm = LLM(str(path), device=TEST_DEVICE, dtype="float32", kv_cache_memory=_blocks(path, 6),
                   kv_offload_size=_blocks(path, 16), max_num_seqs=3)
         llm.engine.kv.swap_policy.swap = lambda *_, m=method: m == "swap"
         got = llm.generate(prompts, params, use_tqdm=False)
@@ -174,7 +176,7 @@ def test_a_disk_hit_is_promoted_so_the_next_hit_is_a_host_hit(tmp_path: Path) ->
     finds them in host memory. Greedy tokens and logprobs equal A's cold prefill each time, and
     no block is left held in any tier."""
     path = build_model_dir(tmp_path / "llama", "llama")
-    tiers = dict(device=TEST_DEVICE, kv_cache_memory=_blocks(path, 8),
+    tiers = dict(device=TEST_DEVICE, dtype="float32", kv_cache_memory=_blocks(path, 8),
                  kv_offload_size=_blocks(path, 8), kv_offload_path=str(tmp_path / "kv"),
                  kv_offload_disk_size=_blocks(path, 40), max_num_seqs=1)
     first = LLM(str(path), **tiers)

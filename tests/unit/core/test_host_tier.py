@@ -41,6 +41,8 @@ def test_a_slot_read_this_step_is_not_handed_out_again():
 
 
 def _blocks(path: Path, blocks: int) -> int:
+    """The cache memory of ``blocks`` float32 blocks (the tests name their dtype: a GPU
+    engine would default to bfloat16, twice the blocks)."""
     return blocks * 16 * ModelConfig.from_dir(path).kv_bytes_per_token(4)
 
 
@@ -55,7 +57,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(tmp_path: Path) -> None
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
     runs = {}
     for offload in (0, _blocks(path, 20)):
-        llm = LLM(str(path), device=TEST_DEVICE, kv_cache_memory=_blocks(path, 8),
+        llm = LLM(str(path), device=TEST_DEVICE, dtype="float32", kv_cache_memory=_blocks(path, 8),
                   kv_offload_size=offload, max_num_seqs=1)
         outs = [llm.generate(prompts[name], params, use_tqdm=False)[0] for name in "ABCA"]
         runs[offload] = (outs, llm.engine.kv.host)

@@ -141,15 +141,18 @@ def test_async_scheduling_gives_the_same_constrained_tokens(random_dir):
 def test_greedy_constrained_is_deterministic_and_free_rows_keep_their_tokens(random_dir):
     llm = LLM(str(random_dir), **on_test_device())
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    constrained = SamplingParams(temperature=0.0, max_tokens=120,
+    # SCHEMA's strings hold at most 40 characters: even as six-character escapes of a token
+    # each, the object ends within 400 tokens
+    constrained = SamplingParams(temperature=0.0, max_tokens=400,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
     prompts = ["Once upon a time", "The king said", "Hello there"]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
     mixed = llm.generate(prompts + prompts, [free] * 3 + [constrained] * 3)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
     texts = [o.outputs[0].text for o in mixed[3:]]
-    for text in texts:
-        jsonschema.validate(json.loads(text), SCHEMA)
+    for out in mixed[3:]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
     again = llm.generate(prompts, constrained)
     assert [o.outputs[0].text for o in again] == texts
 

@@ -22,11 +22,12 @@ VOCAB = 32
 EOS = 3
 
 
-def _batch(requests: list[tuple[SamplingParams, list[int], list[int]]],
+def _batch(requests: list[tuple[SamplingParams, list[int], list[int]]], device: str = "cpu",
            ) -> tuple[InputBatch, list[CachedRequestState]]:
-    """A persistent batch holding ``(params, prompt, outputs so far)`` per request."""
+    """A persistent batch holding ``(params, prompt, outputs so far)`` per request (seeded ones
+    with their generators on ``device``)."""
     batch = InputBatch(max_num_reqs=len(requests) + 1, max_model_len=256, max_blocks_per_req=16,
-                       device="cpu")
+                       device=device)
     for i, (params, prompt, outputs) in enumerate(requests):
         batch.add(NewRequestData(
             req_id=f"r{i}", token_ids=prompt + outputs, num_prompt_tokens=len(prompt),
@@ -420,7 +421,7 @@ def test_sampling_waits_on_nothing_from_the_device():
                SamplingParams(temperature=1.2, seed=11, top_p=0.5),
                SamplingParams(temperature=0.7, top_k=3)]
     requests = [*PROCESSING_CASES, *((p, [4, 5], [6]) for p in sampled)]
-    batch, states = _batch(requests)
+    batch, states = _batch(requests, device)
     meta = build_sampling_metadata(batch, states, VOCAB, device)
     logits = (torch.randn(len(requests), VOCAB) * 2).to(device)
     allowed = np.zeros((1, 1), dtype=np.int32)
