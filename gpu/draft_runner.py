@@ -179,15 +179,16 @@ class DraftRunner:
             return {}
         first = self._catch_up(catch_up, table, set(sampling))
         proposals = {step.states[i].req_id: [first[i]] for i in sampling}
+        live, last = np.asarray(sampling, dtype=np.int64), np.asarray(ends, dtype=np.int64) - 1
+        guesses = np.asarray([first[i] for i in sampling], dtype=np.int64)
         for j in range(1, self.k):
-            live = [i for i in sampling if ends[i] - 1 + j < self.max_model_len]
-            if not live:
+            positions = last[live] + j
+            keep = positions < self.max_model_len
+            live, positions, guesses = live[keep], positions[keep], guesses[keep]
+            if not len(live):
                 break
-            rows = _Rows(live,
-                         [np.array(proposals[step.states[i].req_id][-1:]) for i in live],
-                         [np.array([ends[i] - 1 + j]) for i in live])
-            guesses = self._forward(rows, table, list(range(len(live))))
-            for i, g in zip(live, guesses):
+            guesses = self._guess(table[live], guesses, positions)
+            for i, g in zip(live.tolist(), guesses.tolist()):
                 proposals[step.states[i].req_id].append(g)
         return proposals
 
@@ -258,33 +259,55 @@ class DraftRunner:
         token_req = np.repeat(np.arange(len(lens)), lens)
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
-        width = -(-int(seq_lens.max()) // bs)
         graphs = self.cuda_graphs
         as_decode = self.device == "cpu" or (graphs is not None and graphs.holds(int(cu[-1])))
         seen = AttentionRows.of_step(  # a catch-up after a verification: the last known token
             # again (the target computed it this step), its accepted run and its new token
             np.arange(len(lens)), cu, seq_lens, token_req, positions, int(lens.max()),
             turn_up_to=self.k + 2 if as_decode else 0)
-        dev = self._to_device
-        meta = AttentionMetadata(
-            num_actual_tokens=int(cu[-1]), query_start_loc=dev(seen.cu.astype(np.int32)),
-            seq_lens=dev(seen.seq_lens.astype(np.int32)),
-            block_table=dev(np.ascontiguousarray(req_table[seen.rows, :width])),
-            slot_mapping=dev(slots), max_query_len=seen.max_query_len,
-            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=seen.cu.tolist(),
-            seq_lens_cpu=seen.seq_lens.tolist())
-        ids = dev(np.concatenate(rows.ids).astype(np.int64))
-        pos = dev(positions)
-        hidden = self.cpu.forward(ids, pos, self.kv_caches, meta) if self.cpu else None
-        if hidden is None and graphs is not None and graphs.can_run(meta):
-            hidden = graphs.run(ids, pos, meta)
-        elif hidden is None:
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+        width = -(-int(seq_lens.max()) // bs)
+        meta = self._meta(seen.cu, seen.seq_lens, req_table[seen.rows, :width], slots,
+                          seen.max_query_len)
+        hidden = self._run(np.concatenate(rows.ids).astype(np.int64), positions, meta)
         if not logit_rows:
             return []
-        last = dev(cu[1:][np.asarray(logit_rows, dtype=np.int64)] - 1)
+        last = self._to_device(cu[1:][np.asarray(logit_rows, dtype=np.int64)] - 1)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         return logits.argmax(dim=-1).tolist()
+
+    def _guess(self, table: np.ndarray, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One forward of a token a request, ``ids`` at ``positions`` (``table``: their
+        block tables), and each one's greedy next token: ``_forward``'s one-row case, its
+        arrays built whole rather than row by row."""
+        bs = self.block_size
+        slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = positions + 1
+        meta = self._meta(np.arange(len(ids) + 1), seq_lens,
+                          table[:, : -(-int(seq_lens.max()) // bs)], slots, 1)
+        logits = self.model.compute_logits(self._run(ids, positions, meta))
+        return np.asarray(logits.argmax(dim=-1).tolist(), dtype=np.int64)
+
+    def _meta(self, cu: np.ndarray, seq_lens: np.ndarray, table: np.ndarray,
+              slots: np.ndarray, max_query_len: int) -> AttentionMetadata:
+        dev = self._to_device
+        return AttentionMetadata(
+            num_actual_tokens=len(slots), query_start_loc=dev(cu.astype(np.int32)),
+            seq_lens=dev(seq_lens.astype(np.int32)), block_table=dev(table),
+            slot_mapping=dev(slots), max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist())
+
+    def _run(self, ids: np.ndarray, positions: np.ndarray,
+             meta: AttentionMetadata) -> torch.Tensor:
+        """The draft's hidden states: the CPU's one-call decode step where it takes the
+        step, a captured CUDA graph where one does, else the model's forward."""
+        ids_dev, pos_dev = self._to_device(ids), self._to_device(positions)
+        hidden = self.cpu.forward(ids_dev, pos_dev, self.kv_caches, meta) if self.cpu else None
+        if hidden is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            hidden = self.cuda_graphs.run(ids_dev, pos_dev, meta)
+        elif hidden is None:
+            hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)
+        return hidden
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
