@@ -40,7 +40,7 @@ from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model
 from tidal.gpu.pipeline import pipeline_stage
-from tidal.gpu.spec_step import AttentionRows
+from tidal.gpu.spec_step import AttentionRows, rows_as_decode
 
 
 @dataclass
@@ -259,8 +259,7 @@ class DraftRunner:
         token_req = np.repeat(np.arange(len(lens)), lens)
         bs = self.block_size
         slots = req_table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
-        graphs = self.cuda_graphs
-        as_decode = self.device == "cpu" or (graphs is not None and graphs.holds(int(cu[-1])))
+        as_decode = rows_as_decode(self.device, self.cuda_graphs, int(cu[-1]))
         seen = AttentionRows.of_step(  # a catch-up after a verification: the last known token
             # again (the target computed it this step), its accepted run and its new token
             np.arange(len(lens)), cu, seq_lens, token_req, positions, int(lens.max()),

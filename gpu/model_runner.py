@@ -35,7 +35,7 @@ from tidal.gpu.pooler import PooledHandle, Pooler
 from tidal.gpu.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from tidal.gpu.sampler import Sampler, apply_grammar_bitmask
 from tidal.gpu.sampling_metadata import build_sampling_metadata
-from tidal.gpu.spec_step import AttentionRows, decode_turn, spec_rows, write_drafts
+from tidal.gpu.spec_step import AttentionRows, decode_turn, rows_as_decode, spec_rows, write_drafts
 from tidal.gpu.spec_verify import verify
 from tidal.gpu.step_handle import StepHandle
 from tidal.gpu.step_inputs import StepInputs, TokenLayout, advance, fill_in_flight
@@ -182,8 +182,7 @@ class ModelRunner(KVCacheSetup):
             return self.run_model(inputs.input_ids, inputs.positions, meta)
         start = time.perf_counter()
         hidden = self.run_model(inputs.input_ids, inputs.positions, meta)
-        ms = (time.perf_counter() - start) * 1e3
-        context = sum(meta.seq_lens_cpu) / max(1, meta.num_reqs)
+        ms, context = (time.perf_counter() - start) * 1e3, sum(meta.seq_lens_cpu) / meta.num_reqs
         if self._step_watch.observe(meta.num_reqs, context, ms) and self._upgrades is not None:
             self._upgrades.slow_steps()
         return hidden
@@ -317,9 +316,8 @@ class ModelRunner(KVCacheSetup):
         slots = (self.batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         max_seq = max(seq_lens_cpu)
-        graphs = self.cuda_graphs
-        longest = decode_turn(spec, self.device == "cpu" or (
-            graphs is not None and graphs.holds(sched.total_num_scheduled_tokens)))
+        longest = decode_turn(spec, rows_as_decode(self.device, self.cuda_graphs,
+                                                   sched.total_num_scheduled_tokens))
         seen = AttentionRows.of_step(rows, cu, seq_lens, token_rows, positions,
                                      layout.max_query_len, turn_up_to=longest)
         block_table = self.batch.block_table[seen.rows, : -(-max_seq // bs)]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tidal.core.outputs import TokenLogprobs
+from tidal.gpu.cuda_graphs import CudaGraphRunner
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 
 
@@ -56,6 +57,12 @@ class AttentionRows:
         if max_query_len <= turn_up_to:
             return cls.one_per_token(token_rows, positions)
         return cls(rows, cu, seq_lens, max_query_len)
+
+
+def rows_as_decode(device: str, graphs: CudaGraphRunner | None, num_rows: int) -> bool:
+    """Whether a step's ``num_rows`` query rows can run as one-token rows: on the CPU (its
+    one-call decode step takes them), or where a captured CUDA graph holds them all."""
+    return device == "cpu" or (graphs is not None and graphs.holds(num_rows))
 
 
 def decode_turn(spec: dict[str, list[int]], as_decode: bool) -> int:
