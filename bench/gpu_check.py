@@ -126,6 +126,9 @@ class Check:
 
     args: argparse.Namespace
     logs: Path
+    # the children's JSON answers: kept out of ``logs`` ($OUT), whose files a GPU machine
+    # sends back only up to a count
+    scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gpu_check-")))
     header: dict[str, Any] = field(default_factory=dict)
     results: list[StepResult] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -185,7 +188,7 @@ def failed_run(name: str, run: CommandRun, limit_s: float, what: str) -> StepRes
 
 # -- 1. packages ------------------------------------------------------------------------------
 def step_packages(check: Check, limit_s: float) -> StepResult:
-    out = check.logs / "packages.json"
+    out = check.scratch / "packages.json"
     run = run_command(child_command("packages", out), limit_s, check.log("packages"))
     statuses = read_json(out)
     if statuses is None:
@@ -362,7 +365,7 @@ def step_profile(check: Check, limit_s: float) -> StepResult:
 
 
 def step_served(check: Check, limit_s: float) -> StepResult:
-    out = check.logs / "served.json"
+    out = check.scratch / "served.json"
     out.unlink(missing_ok=True)
     run = run_command(child_command("served", out, "--device", check.args.device, "--served",
                                     check.args.served, "--served-dtype",
@@ -410,7 +413,7 @@ def step_limit(check: Check, name: str, later: list[str]) -> float:
 
 
 def run_header(check: Check) -> None:
-    out = check.logs / "header.json"
+    out = check.scratch / "header.json"
     limit = step_limit(check, "header", [])
     run = run_command(child_command("header", out, "--device", check.args.device), limit,
                       check.log("header"))
