@@ -1,14 +1,14 @@
 """CUDA graphs for decode-only steps.
 
 A decode step launches a few hundred small kernels whose launch time, not their work, bounds
-the step at small batches. Each padded batch size (1, 2, 4, 8, then steps of 16 up to
-``max_num_seqs``) gets one graph of the model's forward, captured once after the KV cache is
-allocated. With speculative decoding a step that verifies proposals runs each of them as a
-one-token row of its own (``gpu/spec_step.py``), so it is a decode step too, and the sizes go
-on up to the ``k + 1`` rows of every request (``graph_rows``); a draft model's decode-shaped
-forwards replay graphs of their own. All graphs read the same static input buffers (token
-ids, positions, sequence lengths, block table, slot mapping) and share one memory pool,
-largest captured first.
+the step at small batches. Each padded batch size (1, 2, 4, 8, then steps of 16, up to the
+first that holds ``max_num_seqs``) gets one graph of the model's forward, captured once after
+the KV cache is allocated. With speculative decoding a step that verifies proposals runs each
+of them as a one-token row of its own (``gpu/spec_step.py``), so it is a decode step too, and
+the sizes go on up to the ``k + 1`` rows of every request (``graph_rows``); a draft model's
+decode-shaped forwards replay graphs of their own. All graphs read the same static input
+buffers (token ids, positions, sequence lengths, block table, slot mapping) and share one
+memory pool, largest captured first.
 
 A step is replayed at the smallest captured size that holds its requests; the padded requests
 have ``seq_len`` 0 and slot ``-1``, so they read and write no KV cache. Graph capture bakes in
@@ -43,10 +43,11 @@ MAX_SPEC_ROWS = 512  # the most one-token rows a speculating step's graphs are c
 
 
 def capture_sizes(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to ``max_rows`` (rounded up to 16)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_rows]
-    if max_rows > 8:
-        sizes += list(range(16, -(-max_rows // 16) * 16 + 1, 16))
+    """1, 2, 4, 8, then multiples of 16, up to the first that holds ``max_rows``: a step of
+    the most rows replays a graph too."""
+    sizes = [1]
+    while sizes[-1] < max_rows:
+        sizes.append(sizes[-1] * 2 if sizes[-1] < 16 else sizes[-1] + 16)
     return sizes
 
 

@@ -28,8 +28,8 @@ DEVICE = KERNEL_TEST_DEVICE
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
-    (1, [1]), (5, [1, 2, 4]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 32]),
-    (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+    (1, [1]), (3, [1, 2, 4]), (5, [1, 2, 4, 8]), (8, [1, 2, 4, 8]), (9, [1, 2, 4, 8, 16]),
+    (20, [1, 2, 4, 8, 16, 32]), (64, [1, 2, 4, 8, 16, 32, 48, 64]),
 ])
 def test_capture_sizes(max_num_seqs, expected):
     assert capture_sizes(max_num_seqs) == expected
