@@ -15,6 +15,11 @@ Positions past a request's known tokens are written before they are read (the ne
 catch-up writes them again with the verified tokens), so a rejected guess's KV is never read.
 Positions past the blocks the scheduler gave a request go to scratch blocks after the shared
 ones, the draft's alone: each step's guesses need them only within that step.
+
+A block the target filled in plain steps holds no draft KV, so a prefix hit cannot vouch for
+the draft's. Each full block the draft has written carries a key of the tokens up to its end
+(``block_keys``); a request the draft first follows keeps the leading blocks whose keys match
+its own tokens and has the draft run the rest.
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ class DraftRunner:
             max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.num_blocks = 0
+        # per block id: the key of the tokens whose draft KV the block holds, 0 for none
+        self.block_keys = np.zeros(0, dtype=np.int64)
 
     def bytes_per_token(self, quantized: bool) -> int:
         """The draft's KV bytes per token (all its layers), for the cache's budget."""
@@ -145,6 +152,7 @@ class DraftRunner:
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
+        self.block_keys = np.zeros(num_blocks + self.num_scratch, dtype=np.int64)
 
     def capture_cuda_graphs(self) -> None:
         """Graphs of the draft's decode-shaped forwards over its allocated cache (its guesses,
@@ -178,6 +186,7 @@ class DraftRunner:
         if not catch_up.index:
             return {}
         first = self._catch_up(catch_up, table, set(sampling))
+        self._record_keys(batch, step, catch_up, ends)
         proposals = {step.states[i].req_id: [first[i]] for i in sampling}
         live, last = np.asarray(sampling, dtype=np.int64), np.asarray(ends, dtype=np.int64) - 1
         guesses = np.asarray([first[i] for i in sampling], dtype=np.int64)
@@ -199,6 +208,9 @@ class DraftRunner:
         rows = _Rows([], [], [])
         ends = []
         for i, (state, start, count) in enumerate(zip(step.states, step.starts, step.counts)):
+            if state.draft_keys is None:  # first followed: what its prefix hit's blocks hold
+                state.draft_keys = self._held_keys(batch, state, start)
+                state.draft_len = len(state.draft_keys) * self.block_size
             end = state.num_tokens if state.req_id in step.sampled else start + count
             begin, state.draft_len = min(state.draft_len, start), end
             ends.append(end)
@@ -207,6 +219,43 @@ class DraftRunner:
                 rows.ids.append(batch.token_ids[state.row, begin:end])
                 rows.positions.append(np.arange(begin, end, dtype=np.int64))
         return rows, ends
+
+    def _held_keys(self, batch: InputBatch, state: CachedRequestState,
+                   limit: int) -> list[int]:
+        """The keys of ``state``'s leading full blocks (within its first ``limit`` tokens)
+        whose draft KV holds its own tokens."""
+        keys: list[int] = []
+        for b in range(min(limit // self.block_size, state.num_blocks)):
+            key = self._key(batch, state, b, keys[-1] if keys else 0)
+            if self.block_keys[batch.block_table[state.row, b]] != key:
+                break
+            keys.append(key)
+        return keys
+
+    def _record_keys(self, batch: InputBatch, step: DraftStep, rows: _Rows,
+                     ends: list[int]) -> None:
+        """Key the blocks the catch-up ``rows`` filled; a block they wrote in part holds no
+        whole block's tokens."""
+        bs = self.block_size
+        for i, positions in zip(rows.index, rows.positions):
+            state = step.states[i]
+            assert state.draft_keys is not None
+            keys = state.draft_keys[:positions[0] // bs]
+            full = min(ends[i] // bs, state.num_blocks)
+            for b in range(len(keys), full):
+                keys.append(self._key(batch, state, b, keys[-1] if keys else 0))
+                self.block_keys[batch.block_table[state.row, b]] = keys[-1]
+            if full < state.num_blocks:
+                self.block_keys[batch.block_table[state.row, full]] = 0
+            state.draft_keys = keys
+
+    def _key(self, batch: InputBatch, state: CachedRequestState, block: int,
+             previous: int) -> int:
+        """A key of the tokens up to the end of ``state``'s ``block``: of its own tokens and
+        the key of those before (never 0, which marks a block of no known tokens)."""
+        bs = self.block_size
+        tokens = batch.token_ids[state.row, block * bs:(block + 1) * bs].tobytes()
+        return hash((previous, tokens)) or 1
 
     def _catch_up(self, rows: _Rows, table: np.ndarray, sampling: set[int]) -> dict[int, int]:
         """Run the catch-up ``rows`` in forwards of at most the step's token budget (a draft
@@ -279,7 +328,9 @@ class DraftRunner:
         block tables), and each one's greedy next token: ``_forward``'s one-row case, its
         arrays built whole rather than row by row."""
         bs = self.block_size
-        slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
+        blocks = table[np.arange(len(ids)), positions // bs]
+        self.block_keys[blocks] = 0  # a guess's KV: the block holds no known tokens' alone
+        slots = blocks.astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
         meta = self._meta(np.arange(len(ids) + 1), seq_lens,
                           table[:, : -(-int(seq_lens.max()) // bs)], slots, 1)

@@ -31,9 +31,12 @@ class CachedRequestState:
     num_pending: int = 0  # sampled by a step whose result has not reached the host yet
     eos_token_id: int | None = None
     sampling: RowSampling | None = None  # the sampler's view of params, built on first use
-    # a draft model's KV holds this many of its first tokens (gpu/draft_runner.py): a prefix
-    # hit's, at first; it lags the target's through steps without proposals
+    # a draft model's KV holds this many of its first tokens (gpu/draft_runner.py); it lags
+    # the target's through steps without proposals
     draft_len: int = 0
+    # the keys of the full blocks the draft's KV holds for this request (``draft_len``'s),
+    # None until the draft first follows it and checks what a prefix hit's blocks hold
+    draft_keys: list[int] | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -93,8 +96,7 @@ class InputBatch:
         self.states[new.req_id] = CachedRequestState(
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens, num_tokens=n,
             num_computed_tokens=new.num_computed_tokens, params=new.sampling_params,
-            generator=generator, num_blocks=len(new.block_ids), eos_token_id=new.eos_token_id,
-            draft_len=new.num_computed_tokens)
+            generator=generator, num_blocks=len(new.block_ids), eos_token_id=new.eos_token_id)
         self.num_needing_metadata += needs_metadata(new.sampling_params)
         self.num_prompt_logprobs += new.sampling_params.prompt_logprobs is not None
 

@@ -146,6 +146,26 @@ def test_a_draft_catches_up_after_steps_without_proposals(pair):
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
+
+@pytest.mark.gpu
+def test_a_prefix_the_draft_never_ran_is_run_again_on_a_hit(pair):
+    """Blocks filled by plain steps (no draft forward) hold no draft KV: a later request that
+    hits them in the prefix cache must have the draft run its prefix, not read those blocks.
+    The target as its own draft must still have every proposal accepted."""
+    args = on_test_device(**ARGS)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (31, 26, 35, 22)]
+    spec = speculating(LLM(pair["target"], speculative_config=_spec(pair["target"]), **args))
+    modes = spec.engine.spec_modes
+    modes.choose = lambda _running: False  # the prompts' blocks cached, the draft never run
+    want = _completions(spec.generate(_prompts(), params, use_tqdm=False))
+    assert spec.engine.stats().spec_decode_num_draft_tokens == 0
+    modes.choose = lambda _running: True
+    assert _completions(spec.generate(_prompts(), params, use_tqdm=False)) == want
+    stats = spec.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
 @pytest.mark.gpu
 def test_sampling_with_a_draft_keeps_the_targets_distribution(pair, tmp_path):
     """At temperature 1, the token after the first (the first the draft proposes for)
