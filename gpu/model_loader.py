@@ -215,7 +215,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
             loaded.add(target)
             continue
         if quantized and target == "lm_head.weight":  # an untied head: int8 alone
-            model.lm_head = QuantHead(_int8_rows(value, reuse, "lm_head"), dtype)
+            model.lm_head = QuantHead(_int8_rows(value, reuse, "lm_head"), dtype, tied=False)
             loaded.add(target)
             continue
         if quantized and target == "embed_tokens.weight":  # an untied embedding: int8 rows

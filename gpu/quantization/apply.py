@@ -124,4 +124,5 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
 
 def _mb(layer: nn.Module | None) -> str:
     weight = getattr(layer, "weight_format", None)
-    return "-" if weight is None else f"{weight.nbytes / 1e6:.1f} MB"
+    nbytes = getattr(layer, "format_nbytes", None) or (weight.nbytes if weight else None)
+    return "-" if nbytes is None else f"{nbytes / 1e6:.1f} MB"

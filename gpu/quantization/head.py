@@ -17,10 +17,12 @@ hidden state rounded to int8 per block of 32 inputs, as llama.cpp's are, within 
 ``docs/quantization.md`` states for ``--quantization``.
 
 Where the model keeps one layout per weight (its quantized weights pass
-``TWO_LAYOUTS_MAX_BYTES``), the head's candidates are the methods that multiply from the plain
+``TWO_LAYOUTS_MAX_BYTES``), a tied head's candidates are the methods that multiply from the plain
 rows the embedding reads (torch's int8 op, or torch's path), so no second copy is made; with
 float32 activations, where torch's int8 op is an order of magnitude slower than tidal's kernel,
-every method stays a candidate and the kernel's layout is kept beside the plain rows.
+every method stays a candidate and the kernel's layout is kept beside the plain rows. An untied
+head (its embedding has rows of its own) takes every method, and keeps only the layout its plan
+uses, as a ``QuantLinear`` does.
 """
 
 from __future__ import annotations
@@ -110,13 +112,15 @@ class QuantEmbedding(nn.Module):
 
 
 class QuantHead(nn.Module):
-    """``logits = x W^T`` over the int8 weight a ``QuantEmbedding`` reads, by the method its
-    plan names for the row count. Unlike a ``QuantLinear`` it never drops the plain weight:
-    the embedding reads it."""
+    """``logits = x W^T`` over an int8 weight with one scale per row, by the method its plan
+    names for the row count. A ``tied`` head never drops the plain weight: its
+    ``QuantEmbedding`` reads it. An untied one keeps only the layouts its plan uses."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool = True) -> None:
         super().__init__()
-        self.weight_format = weight
+        self.weight_format: QuantizedWeight | None = weight
+        self.format_nbytes = weight.nbytes  # kept once an untied head's plan drops the weight
+        self.tied = tied
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.plan = Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
@@ -124,9 +128,14 @@ class QuantHead(nn.Module):
         self.kernel = None  # the C++ PlannedLinear over the packs, where the kernels are built
 
     def replan(self, plan: Plan) -> None:
-        """Pack for ``plan``, keeping the plain weight whatever it uses."""
+        """Pack for ``plan``: a tied head keeps the plain weight whatever it uses; an untied
+        one only where the plan runs torch's path, which dequantizes from it."""
+        if self.weight_format is None:
+            raise RuntimeError("this head was planned already: its weight's own form is gone")
         self.plan = plan
         self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype)
+        if not self.tied and TORCH not in plan.used():
+            self.packs.format = self.weight_format = None
         self.kernel = self.packs.kernel(None, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +143,7 @@ class QuantHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
-                f"{self.plan.describe()}")
+                f"{'tied, ' if self.tied else ''}{self.plan.describe()}")
 
 
 def leave_vocab_unallocated(model: nn.Module) -> None:
@@ -162,10 +171,11 @@ def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     if not isinstance(head, QuantHead):
         return {}
     w = head.weight_format
+    assert w is not None, "the head was planned already"
     linears = sum(m.format_nbytes for m in model.modules() if isinstance(m, QuantLinear))
     one_layout = linears + w.nbytes > two_layouts_max_bytes
     methods = candidate_methods(w, w.q.device, head.dtype)
-    if one_layout and head.dtype != torch.float32:
+    if one_layout and head.dtype != torch.float32 and head.tied:
         methods = [m for m in methods if m in PLAIN_ROW_METHODS]
     name = "qlinear {}x{} int8|{}|{}".format(head.out_features, head.in_features,
                                              str(head.dtype).removeprefix("torch."),

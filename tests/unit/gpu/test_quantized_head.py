@@ -161,6 +161,31 @@ def test_one_layout_keeps_one_copy_of_the_head_weight(tied_dir, tmp_path, monkey
     torch.testing.assert_close(head(x), ref.to(dtype), atol=2e-2, rtol=2e-2)
 
 
+
+@pytest.mark.parametrize("fastest", [DOT, TORCH])
+def test_an_untied_head_over_the_bound_takes_any_method_and_keeps_its_layout_alone(
+        tmp_path, monkeypatch, fastest):
+    """An untied head shares no rows with the embedding: over the byte bound in bfloat16 it
+    times every method, and keeps the plain weight only where its plan runs torch's path."""
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
+    model = _read(build_model_dir(tmp_path / "m", "qwen2", hidden_size=128))
+    head = model.lm_head
+    assert isinstance(head, QuantHead) and not head.tied
+    w = head.weight_format
+    methods = candidate_methods(w, w.q.device, torch.bfloat16)
+    if fastest not in methods:
+        pytest.skip(f"{fastest} does not run here")
+    x = torch.randn(5, w.shape[1], dtype=torch.bfloat16)
+    want = F.linear((round_activations(x) if fastest == DOT else x).float(),
+                    (w.float16_params() if fastest == DOT else w).dequantize())
+    cache = PlanCache(tmp_path, key={"host": "test"},
+                      timer=lambda name, fn, calls: (fn(), 1.0 if name == fastest else 2.0)[1])
+    (name,) = plan_head(model, 8, cache, two_layouts_max_bytes=0)
+    assert name.endswith("|" + ",".join(methods) + " (head)")  # every one was timed
+    assert head.plan.used() == {fastest}
+    assert (head.weight_format is None) == (fastest != TORCH)
+    torch.testing.assert_close(head(x), want.to(torch.bfloat16), atol=2e-2, rtol=2e-2)
+
 def test_a_small_model_times_every_method_for_its_head(tied_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CPU_KERNELS", "auto")
     model = _read(tied_dir)
