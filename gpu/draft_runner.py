@@ -18,8 +18,8 @@ ones, the draft's alone: each step's guesses need them only within that step.
 
 A block the target filled in plain steps holds no draft KV, so a prefix hit cannot vouch for
 the draft's. Each full block the draft has written carries a key of the tokens up to its end
-(``block_keys``); a request the draft first follows keeps the leading blocks whose keys match
-its own tokens and has the draft run the rest.
+(``block_keys``, the prefix cache's chained hash); a request the draft first follows keeps the
+leading blocks whose keys match its own tokens and has the draft run the rest.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidal.core.block_pool import BlockHash, hash_block_tokens
 from tidal.core.config import EngineConfig
 from tidal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tidal.core.speculative_config import SpeculativeConfig, resolve_draft_model
@@ -135,8 +136,8 @@ class DraftRunner:
             max_rows=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.num_blocks = 0
-        # per block id: the key of the tokens whose draft KV the block holds, 0 for none
-        self.block_keys = np.zeros(0, dtype=np.int64)
+        # per block id: the hash of the tokens whose draft KV the block holds, None for none
+        self.block_keys = np.full(0, None, dtype=object)
 
     def bytes_per_token(self, quantized: bool) -> int:
         """The draft's KV bytes per token (all its layers), for the cache's budget."""
@@ -152,7 +153,7 @@ class DraftRunner:
         self.kv_caches = [kv_quant.allocate_layer(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
-        self.block_keys = np.zeros(num_blocks + self.num_scratch, dtype=np.int64)
+        self.block_keys = np.full(num_blocks + self.num_scratch, None, dtype=object)
 
     def capture_cuda_graphs(self) -> None:
         """Graphs of the draft's decode-shaped forwards over its allocated cache (its guesses,
@@ -221,12 +222,12 @@ class DraftRunner:
         return rows, ends
 
     def _held_keys(self, batch: InputBatch, state: CachedRequestState,
-                   limit: int) -> list[int]:
+                   limit: int) -> list[BlockHash]:
         """The keys of ``state``'s leading full blocks (within its first ``limit`` tokens)
         whose draft KV holds its own tokens."""
-        keys: list[int] = []
+        keys: list[BlockHash] = []
         for b in range(min(limit // self.block_size, state.num_blocks)):
-            key = self._key(batch, state, b, keys[-1] if keys else 0)
+            key = self._key(batch, state, b, keys[-1] if keys else None)
             if self.block_keys[batch.block_table[state.row, b]] != key:
                 break
             keys.append(key)
@@ -240,22 +241,22 @@ class DraftRunner:
         for i, positions in zip(rows.index, rows.positions):
             state = step.states[i]
             assert state.draft_keys is not None
-            keys = state.draft_keys[:positions[0] // bs]
+            keys = state.draft_keys
+            del keys[positions[0] // bs:]  # the blocks these rows wrote again
             full = min(ends[i] // bs, state.num_blocks)
             for b in range(len(keys), full):
-                keys.append(self._key(batch, state, b, keys[-1] if keys else 0))
+                keys.append(self._key(batch, state, b, keys[-1] if keys else None))
                 self.block_keys[batch.block_table[state.row, b]] = keys[-1]
             if full < state.num_blocks:
-                self.block_keys[batch.block_table[state.row, full]] = 0
-            state.draft_keys = keys
+                self.block_keys[batch.block_table[state.row, full]] = None
 
     def _key(self, batch: InputBatch, state: CachedRequestState, block: int,
-             previous: int) -> int:
-        """A key of the tokens up to the end of ``state``'s ``block``: of its own tokens and
-        the key of those before (never 0, which marks a block of no known tokens)."""
+             previous: BlockHash | None) -> BlockHash:
+        """The hash of the tokens up to the end of ``state``'s ``block`` (``previous``: the
+        block before's), as the prefix cache chains them."""
         bs = self.block_size
-        tokens = batch.token_ids[state.row, block * bs:(block + 1) * bs].tobytes()
-        return hash((previous, tokens)) or 1
+        tokens = batch.token_ids[state.row, block * bs:(block + 1) * bs]
+        return hash_block_tokens(previous, tokens.tolist())
 
     def _catch_up(self, rows: _Rows, table: np.ndarray, sampling: set[int]) -> dict[int, int]:
         """Run the catch-up ``rows`` in forwards of at most the step's token budget (a draft
@@ -329,7 +330,7 @@ class DraftRunner:
         arrays built whole rather than row by row."""
         bs = self.block_size
         blocks = table[np.arange(len(ids)), positions // bs]
-        self.block_keys[blocks] = 0  # a guess's KV: the block holds no known tokens' alone
+        self.block_keys[blocks] = None  # a guess's KV: the block holds no known tokens' alone
         slots = blocks.astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
         meta = self._meta(np.arange(len(ids) + 1), seq_lens,

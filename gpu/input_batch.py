@@ -36,7 +36,7 @@ class CachedRequestState:
     draft_len: int = 0
     # the keys of the full blocks the draft's KV holds for this request (``draft_len``'s),
     # None until the draft first follows it and checks what a prefix hit's blocks hold
-    draft_keys: list[int] | None = None
+    draft_keys: list[bytes] | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -124,5 +124,6 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
 
 def _mb(layer: nn.Module | None) -> str:
     weight = getattr(layer, "weight_format", None)
-    nbytes = getattr(layer, "format_nbytes", None) or (weight.nbytes if weight else None)
+    nbytes = getattr(layer, "format_nbytes", None) or (
+        weight.nbytes if weight is not None else None)
     return "-" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
