@@ -22,6 +22,7 @@ Prints both of the issue's ratios: returning turns' TTFT p50 with the host tier 
 (target: at most 0.5) and output tok/s resuming by swap over by recompute (target: 1.2).
 
     python -m bench.kv_tier [--conversations 12] [--turns 4] [--kv-cache-blocks 64]
+    python -m bench.kv_tier --model DIR --quantization int8 --skip chat   # a larger model
 
 Writes ``bench/results/kv_tier-<host>.json`` (``--name`` to change), the host's details in it.
 """
@@ -36,20 +37,26 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import bench_model_dir, machine, random_prompts, write_result
+from tidal.core.config import QUANTIZATIONS
 from tidal.core.llm import LLM
 from tidal.core.sampling_params import SamplingParams
 from tidal.gpu.model_config import ModelConfig
 
 
-def _block_bytes(model: str, device: str) -> int:
-    """A 16-token block's bytes in the default dtype (float32 on a CPU, bfloat16 on a GPU)."""
-    return 16 * ModelConfig.from_dir(Path(model)).kv_bytes_per_token(
-        4 if device == "cpu" else 2)
+def _block_bytes(model: str, args: argparse.Namespace) -> int:
+    """A 16-token block's bytes in the engine's dtype (by default float32 on a CPU, bfloat16
+    on a GPU)."""
+    wide = args.dtype == "float32" or (args.dtype == "auto" and args.device == "cpu")
+    return 16 * ModelConfig.from_dir(Path(model)).kv_bytes_per_token(4 if wide else 2)
+
+
+def _weights(args: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": args.dtype, "quantization": args.quantization}
 
 
 def _engine(model: str, args: argparse.Namespace, **tiers: Any) -> LLM:
-    return LLM(model, device=args.device,
-               kv_cache_memory=args.kv_cache_blocks * _block_bytes(model, args.device), **tiers)
+    return LLM(model, device=args.device, **_weights(args),
+               kv_cache_memory=args.kv_cache_blocks * _block_bytes(model, args), **tiers)
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -87,8 +94,9 @@ def chat(model: str, args: argparse.Namespace, **tiers: Any) -> dict[str, Any]:
 
 def preemption(model: str, args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Output tokens/s of a batch that preempts itself, resuming by ``method``."""
-    block = _block_bytes(model, args.device)
-    llm = LLM(model, device=args.device, kv_cache_memory=args.preempt_kv_cache_blocks * block,
+    block = _block_bytes(model, args)
+    llm = LLM(model, device=args.device, **_weights(args),
+              kv_cache_memory=args.preempt_kv_cache_blocks * block,
               kv_offload_size=args.host_blocks * block, max_num_seqs=args.concurrency)
     if method != "measured":
         llm.engine.kv.swap_policy.swap = lambda *_: method == "swap"
@@ -122,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="HF model directory (default: the random "
                     "~30M benchmark Llama)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on a "
+                    "CPU, bfloat16 on a GPU)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                    help="weight-only quantization of the decoder's linears")
     ap.add_argument("--kv-cache-blocks", type=int, default=64, help="device blocks (16 tokens)")
     ap.add_argument("--host-blocks", type=int, default=512, help="host tier blocks")
     ap.add_argument("--disk-blocks", type=int, default=2048, help="disk tier blocks")
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     info = machine()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(bench_model_dir(Path(tmp) / "model"))
-        block = _block_bytes(model, args.device)
+        block = _block_bytes(model, args)
         host = args.host_blocks * block
         disk = dict(kv_offload_size=max(1, args.host_blocks // 32) * block,
                     kv_offload_path=str(Path(tmp) / "kv"),

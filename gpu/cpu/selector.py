@@ -45,6 +45,9 @@ MIN_CALLS, MAX_CALLS = 3, 25
 # A candidate within this fraction of a bucket's best counts as as fast (timing noise).
 TIE_MARGIN = 0.05
 PASSES = 2  # sweeps over the buckets, a candidate's best over all of them counting
+# A candidate this many times slower than a bucket's best after one round cannot win there
+# by any noise: it is timed no further in that bucket (nor in later passes).
+HOPELESS = 4.0
 # Bumped when how plans are chosen changes, so plans cached by the older rule are timed again.
 SELECTOR_VERSION = "3"
 # Timings noisier than this (``timing_noise``) make a plan provisional: timed again later.
@@ -183,29 +186,36 @@ def host_timer(name: str, fn: Callable[[], object], calls: int) -> float:
 @dataclass
 class Timed:
     """One bucket's timings: each round's time per candidate (a round: ``MIN_CALLS`` calls,
-    its best counting), rounds alternating between the candidates."""
+    its best counting), rounds alternating between the candidates; ``dropped``: those left
+    after their first round, ``HOPELESS`` times slower than the best."""
 
     rounds: dict[str, list[float]]
+    dropped: frozenset[str] = frozenset()
 
     def best(self) -> dict[str, float]:
         return {name: min(times) for name, times in self.rounds.items()}
 
     def merge(self, other: Timed) -> Timed:
         return Timed({name: times + other.rounds.get(name, [])
-                      for name, times in self.rounds.items()})
+                      for name, times in self.rounds.items()}, self.dropped | other.dropped)
 
 
 def time_candidates(fns: dict[str, Callable[[], object]], timer: Timer = host_timer) -> Timed:
     """Each candidate's rounds, ms. Candidates are called in turns, a few calls each, so a
-    burst of load on the host falls on all of them rather than on one."""
+    burst of load on the host falls on all of them rather than on one. One far behind the
+    best after the first round is dropped: its remaining rounds would only cost time (a
+    dequantizing path can take seconds a call where the best takes milliseconds)."""
     first = {name: timer(name, fn, 1) for name, fn in fns.items()}  # warms caches and packs too
-    slowest = max(max(first.values()), 1e-3)
+    rounds = {name: [timer(name, fn, MIN_CALLS)] for name, fn in fns.items()}
+    best = min(times[0] for times in rounds.values())
+    dropped = frozenset(name for name, times in rounds.items() if times[0] > HOPELESS * best)
+    live = {name: fn for name, fn in fns.items() if name not in dropped}
+    slowest = max(max(first[name] for name in live), 1e-3)
     calls = int(min(MAX_CALLS, max(MIN_CALLS, TARGET_MS_PER_CANDIDATE / slowest)))
-    rounds: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(2, calls // MIN_CALLS)):
-        for name, fn in fns.items():
+    for _ in range(max(2, calls // MIN_CALLS) - 1):
+        for name, fn in live.items():
             rounds[name].append(timer(name, fn, MIN_CALLS))
-    return Timed(rounds)
+    return Timed(rounds, dropped)
 
 
 def timing_noise(timed: Iterable[Timed]) -> float:
@@ -237,7 +247,7 @@ def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callabl
     bounds = list(buckets)
     timed = [time_candidates(candidates(rows), timer) for rows in bounds]
     for _ in range(PASSES - 1):  # a burst of load on the host now spoils one pass, not all
-        timed = [t.merge(time_candidates(candidates(rows), timer))
+        timed = [t.merge(time_candidates(_without(candidates(rows), t.dropped), timer))
                  for t, rows in zip(timed, bounds)]
     timings = [t.best() for t in timed]
     noise = timing_noise(timed)
@@ -246,6 +256,11 @@ def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callabl
     return Plan(tuple(bounds), tuple(choices),
                 tuple({name: round(ms, 4) for name, ms in t.items()} for t in timings),
                 noise=round(noise, 4), load=round(host_load(), 2), made_at=round(time.time()))
+
+
+def _without(fns: dict[str, Callable[[], object]], dropped: frozenset[str]
+             ) -> dict[str, Callable[[], object]]:
+    return {name: fn for name, fn in fns.items() if name not in dropped}
 
 
 def steady_choices(timings: list[dict[str, float]], kept: set[str], margin: float

@@ -115,6 +115,29 @@ def test_noise_keeps_every_choice_won_by_more_than_the_noise(seed: int) -> None:
     assert sum(x != y for x, y in zip(plan.choices, plan.choices[1:])) == 1
 
 
+def test_a_candidate_far_behind_is_timed_no_further() -> None:
+    """A candidate ``HOPELESS`` times slower than the best after its first round gets no
+    more rounds in that bucket, nor in the second pass, and the plan is the same as when it
+    is timed in full; one that could still win within the noise is timed in full."""
+    slow = {1: {"a": 1.0, "b": 1.2, "aten": 40.0}, 2: {"a": 2.0, "b": 1.5, "aten": 7.0}}
+    candidates, exact = scripted(slow)
+    rounds: dict[tuple[int, str], int] = {}
+
+    def timer(name: str, fn, calls: int) -> float:
+        rows = 1 if exact("a", fn, calls) == 1.0 else 2
+        rounds[rows, name] = rounds.get((rows, name), 0) + 1
+        return exact(name, fn, calls)
+
+    plan = choose([1, 2], candidates, timer)
+    assert plan.choices == ("a", "b") and plan.timings[0]["aten"] == 40.0
+    assert rounds[1, "aten"] == 2  # the warm-up call and one round, in the first pass only
+    assert rounds[2, "aten"] == 2  # 7.0 > 4 x 1.5
+    assert rounds[1, "b"] > 2 * selector.PASSES and rounds[2, "a"] > 2 * selector.PASSES
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selector, "HOPELESS", float("inf"))
+        assert choose([1, 2], *scripted(slow)).choices == plan.choices
+
+
 def test_neighbouring_buckets_flip_only_on_a_win_past_the_margin() -> None:
     timings = [{"a": 1.0, "b": 1.01}, {"a": 1.0, "b": 0.97}, {"a": 0.98, "b": 1.0},
                {"a": 1.5, "b": 1.0}, {"a": 1.0, "b": 1.03}]
