@@ -157,8 +157,7 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     pass over every expert, which add a few torch calls and a Python loop to each layer."""
     tokens, top_k = ids.shape
     if tokens == 1:  # its top_k experts are distinct: no sort, no pass over every expert
-        outputs = torch.cat([expert_mlp(x, gate_up[e], down[e], extras, e)
-                             for e in ids[0].tolist()])
+        outputs = _lone_row(x, gate_up, down, ids[0].tolist(), extras)
         return weighted_sum(outputs.view(1, top_k, x.shape[1]), weights, routing)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair i of the sorted rows is pair order[i]
@@ -174,6 +173,21 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     outputs = torch.empty_like(sorted_out)
     outputs[order] = sorted_out
     return weighted_sum(outputs.view(tokens, top_k, x.shape[1]), weights, routing)
+
+
+def _lone_row(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: list[int],
+              extras: ExpertExtras) -> torch.Tensor:
+    """A lone row's ``[top_k, H]`` expert outputs: quantized experts on the dot kernel in one
+    call per projection (``quantization.experts.ExpertLinears``) where they all run it, else
+    expert by expert."""
+    if extras is PLAIN and _together(gate_up, ids) and _together(down, ids):
+        return down.together(extras.activation(gate_up.together(x, ids)), ids)
+    return torch.cat([expert_mlp(x, gate_up[e], down[e], extras, e) for e in ids])
+
+
+def _together(weights: ExpertWeight | torch.Tensor, ids: list[int]) -> bool:
+    on_dot = getattr(weights, "on_dot", None)
+    return on_dot is not None and on_dot(ids)
 
 
 def moe_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -25,7 +25,7 @@ from torch import nn
 from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.moe import MoE
 from tidal.gpu.moe_weights import ExpertSlot
-from tidal.gpu.quantization.linear import QuantLinear, QuantPlanner
+from tidal.gpu.quantization.linear import DOT, QuantLinear, QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows, quantize
 
 # the fused form's stacked experts (transformers 5's names; gpt-oss's once in our layout)
@@ -41,10 +41,35 @@ class QuantExperts(nn.Module):
                  gate_up_bias: torch.Tensor | None = None,
                  down_bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.ModuleList(gate_up)
-        self.down_proj = nn.ModuleList(down)
+        self.gate_up_proj = ExpertLinears(gate_up)
+        self.down_proj = ExpertLinears(down)
         self.gate_up_proj_bias = gate_up_bias
         self.down_proj_bias = down_bias
+
+
+class ExpertLinears(nn.ModuleList):
+    """One projection's experts, a ``QuantLinear`` each (``gate_up_proj[e]``). For a lone
+    decode row, the experts it chose can run in one call of the dot kernel
+    (``dot_linear_experts``): what a call per expert gives, bit for bit, without starting and
+    ending a parallel region per expert."""
+
+    def on_dot(self, ids: list[int]) -> bool:
+        """Whether experts ``ids`` all run the dot kernel at one row (``together`` takes them)."""
+        return all(_dot_at_one_row(self[e]) for e in ids)
+
+    def together(self, x: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """``[len(ids), out]``: expert ``ids[i]`` over row ``i`` of ``x`` (or over its one row)."""
+        layers = [self[e] for e in ids]
+        first = layers[0]
+        return first.packs.kernels.dot_linear_experts(
+            x, [layer.packs.dot[0] for layer in layers],
+            [layer.packs.dot[1] for layer in layers], first.bits, first.group_size,
+            first.out_features)
+
+
+def _dot_at_one_row(layer: QuantLinear) -> bool:
+    return (layer.packs is not None and layer.packs.dot is not None
+            and layer.plan.pick(1) == DOT)
 
 
 def quantize_experts_on_read(name: str, value: Weight, method: str, group_size: int

@@ -358,6 +358,61 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
   return y;
 }
 
+// Several weights of one shape, each over its own row of x (or all over x's one row), in one
+// parallel region: a MoE block's experts for a lone decode row, where a call per expert would
+// spend more on each call's start and end than on its few hundred kilobytes of weights.
+torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                 std::vector<torch::Tensor> params, int64_t bits,
+                                 int64_t group_size, int64_t out_features) {
+  if (x.scalar_type() != at::kFloat)  // bfloat16 rows: widened, multiplied, rounded back
+    return dot_linear_experts(x.to(at::kFloat).contiguous(), packed, params, bits, group_size,
+                              out_features).to(x.scalar_type());
+  const int64_t E = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(E > 0 && static_cast<int64_t>(params.size()) == E,
+              "dot_linear_experts: one params tensor per packed weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.size(0) == 1 || x.size(0) == E),
+              "dot_linear_experts: x must be a contiguous float32 [1 or experts, in_features]");
+  const int64_t rows = x.size(0), K = x.size(1), items = (out_features + kR - 1) / kR;
+  TORCH_CHECK(dot_linear_supports(bits, group_size, K), "dot_linear_experts: no ", bits,
+              "-bit groups of ", group_size, " over ", K, " inputs");
+  const int64_t groups = K / group_size, per_item = groups * kR;
+  const bool offsets = params[0].numel() == 2 * items * per_item;
+  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
+  std::vector<const uint8_t*> w(E);
+  std::vector<const uint16_t*> pr(E);
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(packed[e].scalar_type() == at::kByte && packed[e].is_contiguous() &&
+                    packed[e].numel() == items * item_bytes,
+                "dot_linear_experts: packed weight of the wrong size");
+    TORCH_CHECK(params[e].scalar_type() == at::kHalf && params[e].is_contiguous() &&
+                    params[e].numel() == items * item_params,
+                "dot_linear_experts: params of the wrong size");
+    w[e] = packed[e].data_ptr<uint8_t>();
+    pr[e] = reinterpret_cast<const uint16_t*>(params[e].data_ptr<at::Half>());
+  }
+  torch::Tensor y = torch::empty({E, out_features}, x.options());
+  const Shape sh{K, K / kBlock, groups, group_size / kBlock, out_features, offsets};
+  float* ys = y.data_ptr<float>();
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), rows, K, group_size, xq);
+  tidal::parallel_items(E * items, [&](tidal::ItemSource& source) {
+    for (int64_t i = source.next(); i >= 0; i = source.next()) {
+      const int64_t e = i / items, j = i % items, m = rows == 1 ? 0 : e;
+      const uint8_t* next = j + 1 < items ? w[e] + (j + 1) * item_bytes
+                                          : (e + 1 < E ? w[e + 1] : nullptr);
+      const Item t{w[e] + j * item_bytes, pr[e] + j * item_params, next,
+                   ys + e * out_features + j * kR, std::min(kR, out_features - j * kR), nullptr};
+      if (bits == 4)
+        run_tile<true>(1, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
+                       xq.sums.data() + m * groups, t);
+      else
+        run_tile<false>(1, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
+                        xq.sums.data() + m * groups, t);
+    }
+  });
+  return y;
+}
+
 #else  // no AVX2: not offered (dot_linear_supports says no)
 
 std::vector<int64_t> dot_linear_tile() { return {0, kBlock}; }
@@ -367,6 +422,11 @@ bool dot_linear_supports(int64_t, int64_t, int64_t) { return false; }
 torch::Tensor dot_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
                          c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "dot_linear: this build has no integer dot products (AVX2 or later)");
+}
+
+torch::Tensor dot_linear_experts(torch::Tensor, std::vector<torch::Tensor>,
+                                 std::vector<torch::Tensor>, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "dot_linear_experts: this build has no integer dot products (AVX2 or later)");
 }
 
 #endif

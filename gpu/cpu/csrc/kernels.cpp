@@ -348,6 +348,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether quant_linear takes (bits, group_size, in_features)");
   m.def("dot_linear", &dot_linear, py::call_guard<py::gil_scoped_release>(),
         "y = x W^T + b, x rounded to int8 per block, W in dot_linear_tile's layout");
+  m.def("dot_linear_experts", &dot_linear_experts, py::call_guard<py::gil_scoped_release>(),
+        "y[e] = x[e] W_e^T over several weights of one shape in dot_linear_tile's layout");
   m.def("dot_linear_tile", &dot_linear_tile,
         "(output rows per item, inputs per int8 block of x) of dot_linear's layout");
   m.def("dot_linear_supports", &dot_linear_supports,

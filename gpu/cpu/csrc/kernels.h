@@ -71,6 +71,12 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
                          int64_t bits, int64_t group_size, int64_t out_features,
                          c10::optional<torch::Tensor> bias);
 
+// dot_linear.cpp: y[e] = x[e] W_e^T (x's one row for every e when it has one), the weights
+// alike in shape and format, in one parallel region (a MoE block's experts for a lone row).
+torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                 std::vector<torch::Tensor> params, int64_t bits,
+                                 int64_t group_size, int64_t out_features);
+
 // planned_linear.cpp: a linear layer whose plan names, for each row count, which packed copy
 // of its weight runs it. Methods: 0 tidal's panels, 1 MKL's pack, 2 oneDNN's pack, 3 torch's
 // at::linear over the plain weight [out_features, in_features]; for a quantized weight

@@ -14,14 +14,15 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.selector import Plan
 from tidal.gpu.layers import clamped_swiglu
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model, read_model
 from tidal.gpu.moe import GATHERED, ExpertExtras, MoE, Routing, moe_reference, route
 from tidal.gpu.quantization import experts as experts_module
-from tidal.gpu.quantization.experts import QuantExperts, expert_bytes
-from tidal.gpu.quantization.linear import QuantLinear, QuantPacks
+from tidal.gpu.quantization.experts import ExpertLinears, QuantExperts, expert_bytes
+from tidal.gpu.quantization.linear import DOT, KERNELS, QuantLinear, QuantPacks
 from tidal.gpu.quantization.weights import quantize
 from tidal.gpu.random_model import build_model_dir
 
@@ -63,6 +64,51 @@ def test_quantized_block_equals_the_token_loop_on_dequantized_weights(method, bi
             torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
             moe.plan = Plan.always(GATHERED)
             torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+
+
+def _dot_built() -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.dot_linear_supports(8, 32, 32)
+
+
+@pytest.mark.skipif(not _dot_built(), reason="needs the C++ dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_lone_rows_experts_run_in_one_dot_call_per_projection(method, monkeypatch):
+    """A decode row's experts on the dot kernel: each projection of all of them in one call
+    (``dot_linear_experts``), bit for bit what a call per expert gives; experts on another
+    method at one row take the loop."""
+    moe = _planned_block(method, DOT)
+    kernels = moe.experts.down_proj[0].packs.kernels
+    calls = []
+    together = kernels.dot_linear_experts
+    monkeypatch.setattr(kernels, "dot_linear_experts",
+                        lambda x, *args: calls.append(tuple(x.shape)) or together(x, *args))
+    for seed in range(4):
+        x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            got = moe(x)
+            with monkeypatch.context() as m:
+                m.setattr(ExpertLinears, "on_dot", lambda self, ids: False)
+                want = moe(x)
+        assert torch.equal(got, want)
+    assert calls == [(1, H), (2, INTER)] * 4  # gate/up over the row, down over each expert's
+    chosen = int(route(moe.gate(x), moe.routing)[1][0, 0])
+    moe = _planned_block(method, DOT, {chosen: KERNELS})
+    calls.clear()
+    with torch.no_grad():
+        moe(x)
+    assert calls == []
+
+
+def _planned_block(method: str, choice: str, down_choices: dict[int, str] | None = None) -> MoE:
+    """``_quantized_block``'s, every expert planned on ``choice`` (down: ``down_choices``'s
+    where it names one)."""
+    moe, _, _ = _quantized_block(method, bias=False)
+    for layer in moe.experts.gate_up_proj:
+        layer.replan(Plan.always(choice))
+    for e, layer in enumerate(moe.experts.down_proj):
+        layer.replan(Plan.always((down_choices or {}).get(e, choice)))
+    return moe
 
 
 def _options(**kw) -> LoadOptions:
