@@ -113,3 +113,38 @@ def test_bfloat16_activations_are_widened_for_the_kernel():
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, reference(qw, x.float(), None).to(torch.bfloat16),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shared", [True, False], ids=["one_row", "row_each"])
+def test_several_weights_in_one_call_are_each_weights_own_call(fmt, shared):
+    """``dot_linear_experts``: weight e over x's row e (or all over its one row), in one
+    parallel region, equal to ``dot_linear`` per weight and within the reference's rounding;
+    bfloat16 rows widened alike."""
+    weights = [FORMATS[fmt](37) if e == 0 else _random_like(FORMATS[fmt](37), e)
+               for e in range(3)]
+    qw = weights[0]
+    if not _fits(qw):
+        return
+    packs = [pack_for_dot(w, KERNELS.dot_linear_tile()[0]) for w in weights]
+    x = torch.randn(1 if shared else 3, K, generator=torch.Generator().manual_seed(7))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        got = KERNELS.dot_linear_experts(xs, [p for p, _ in packs], [s for _, s in packs],
+                                         qw.bits, qw.group_size, 37)
+        for e, (packed, params) in enumerate(packs):
+            row = xs[0 if shared else e][None]
+            alone = KERNELS.dot_linear(row, packed, params, qw.bits, qw.group_size, 37, None)
+            assert torch.equal(got[e], alone[0]), (fmt, e, dtype)
+        if dtype == torch.float32:
+            for e, w in enumerate(weights):
+                ref = reference(w, x[0 if shared else e][None], None)[0]
+                torch.testing.assert_close(got[e], ref, rtol=1e-5,
+                                           atol=1e-5 * ref.abs().max().item())
+
+
+def _random_like(qw: QuantizedWeight, seed: int) -> QuantizedWeight:
+    """Another weight of ``qw``'s format and shape: its values permuted by ``seed``."""
+    perm = torch.randperm(qw.shape[0], generator=torch.Generator().manual_seed(seed))
+    return QuantizedWeight(qw.bits, qw.group_size, qw.q[perm], qw.scales[perm],
+                           None if qw.offsets is None else qw.offsets[perm])
