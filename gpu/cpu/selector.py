@@ -153,6 +153,13 @@ class Plan:
         (unless a second timing made the same choices)."""
         return self.noise > NOISY and not self.confirmed
 
+    def covers(self, buckets: list[int]) -> bool:
+        """Whether this plan was timed at every one of ``buckets`` (``row_buckets``), its last
+        (a step's largest row count, not always a power of two) at or past it: a plan timed
+        for a larger step serves a smaller one, so engines of different sizes on one model
+        share their plans instead of each timing them again over the other's."""
+        return set(buckets[:-1]) <= set(self.bounds) and self.bounds[-1] >= buckets[-1]
+
     def same_choices(self, other: Plan) -> bool:
         return (self.bounds, self.choices) == (other.bounds, other.choices)
 
@@ -369,7 +376,7 @@ class PlanCache:
     def get_or_choose(self, key: str, buckets: list[int],
                       candidates: Callable[[int], dict[str, Callable[[], object]]]) -> Plan:
         plan = self.plans.get(key)
-        if plan is None or list(plan.bounds) != buckets:
+        if plan is None or not plan.covers(buckets):
             plan = choose(buckets, candidates, self.timer)
             self.plans[key] = plan
             self.measured.append(key)

@@ -186,10 +186,16 @@ def test_plans_are_cached_per_host_and_never_reused_on_another(tmp_path: Path) -
     data["host"]["cpu"] = "CPU C"
     path.write_text(json.dumps(data))
     assert PlanCache(tmp_path, key, timer).plans == {}
-    # Other buckets (another --max-num-batched-tokens) are timed anew.
+    # A larger step (another --max-num-batched-tokens) is timed anew; a plan timed for a
+    # larger step then serves a smaller one, its largest row count not a power of two too.
     calls.clear()
-    again.get_or_choose("op|x", [1, 2, 4], candidates)
-    assert calls == [1, 2, 4] * selector.PASSES
+    wide = again.get_or_choose("op|x", [1, 2, 4, 8], candidates)
+    assert calls == [1, 2, 4, 8] * selector.PASSES
+    calls.clear()
+    assert again.get_or_choose("op|x", [1, 2], candidates) == wide
+    assert again.get_or_choose("op|x", [1, 2, 4, 6], candidates) == wide and calls == []
+    again.get_or_choose("op|x", [1, 2, 4, 8, 12], candidates)
+    assert calls == [1, 2, 4, 8, 12] * selector.PASSES
 
 
 def test_mode_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
