@@ -10,8 +10,8 @@ import os
 
 # torch puts every tensor of 2 MB or more on transparent huge pages when this is set before its
 # first allocation (it reads it once): a CPU decode step streams each weight from memory, and
-# on 4 KB pages the hardware prefetcher stops at every page's end (docs/cpu-backend.md, "Huge
-# pages"). Set it to 0 to keep torch's default.
+# streams it faster from huge pages (docs/cpu-backend.md, "Huge pages"). Set it to 0 to keep
+# torch's default.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from tidal.core import (  # noqa: E402
