@@ -118,7 +118,7 @@ class QuantPacks:
         self.tidal = (pack_for_kernel(weight, *self.kernels.quant_linear_tile())
                       if KERNELS in methods else None)
         self.aten = _aten_pack(weight, dtype) if ATEN in methods else None
-        self.dot = (pack_for_dot(weight, self.kernels.dot_linear_tile()[0])
+        self.dot = (pack_for_dot(weight, *dot_tile(self.kernels))
                     if DOT in methods else None)
         self.triton = None
         if TRITON in methods:
@@ -196,12 +196,20 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape).to(x.dtype)
 
 
-def pack_for_dot(w: QuantizedWeight, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dot_tile(kernels: object) -> tuple[int, int]:
+    """The build's dot layout: (output rows an item, the bias its int8 bytes carry)."""
+    rows, _, int8_bias = kernels.dot_linear_tile()
+    return rows, int8_bias
+
+
+def pack_for_dot(w: QuantizedWeight, rows: int, int8_bias: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` in ``csrc/dot_linear.cpp``'s layout for items of ``rows`` output rows: (each
     item's registers, bytes; each item's groups' scales then offsets, float16). A register
-    holds four consecutive inputs of each of the ``rows`` rows: int8 as ``q + 128``; 4-bit
-    values two to a byte, the high nibbles the four inputs after the low ones'. The last item
-    is padded with zero rows."""
+    holds four consecutive inputs of each of the ``rows`` rows: int8 as ``q + int8_bias``
+    (128 where the build multiplies unsigned weights, VNNI's, else 0); 4-bit values two to a
+    byte, the high nibbles the four inputs after the low ones'. The last item is padded with
+    zero rows."""
     n, k = w.shape
     items = -(-n // rows)
     pad = items * rows - n
@@ -210,7 +218,8 @@ def pack_for_dot(w: QuantizedWeight, rows: int) -> tuple[torch.Tensor, torch.Ten
         return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
     if w.bits == 8:
-        q = (padded(w.q).view(torch.uint8) ^ 0x80).view(items, rows, k // 4, 4)
+        q = padded(w.q).view(torch.uint8)
+        q = (q ^ 0x80 if int8_bias == 128 else q).view(items, rows, k // 4, 4)
     else:
         q = padded(w.q).view(items, rows, k // 8, 2, 4)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)

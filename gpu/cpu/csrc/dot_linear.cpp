@@ -13,7 +13,8 @@
 // Layout (gpu/quantization/linear.py's pack_for_dot, for dot_linear_rows() output rows an item):
 // the lanes of one register are kR output rows, each lane holding four consecutive inputs'
 // bytes, so a broadcast of four bytes of x multiplies all kR rows at once. An int8 item is K / 4
-// registers (byte = q + 128); a 4-bit one K / 8, the low nibbles inputs k..k+3 and the high
+// registers (byte = q + dot_linear_tile()[2]: 128 where vpdpbusd takes unsigned weights, else
+// q itself); a 4-bit one K / 8, the low nibbles inputs k..k+3 and the high
 // ones k+4..k+7. params: each item's groups in turn, kR scales then (if any) kR offsets, as
 // float16.
 
@@ -72,10 +73,11 @@ inline ivec add_pairs(ivec acc, ivec u, ivec s) {  // no VNNI: u * s in int16 pa
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
                                                  _mm512_set1_epi16(1)));
 }
-inline ivec add_two_pairs(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
-  const ivec pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1));
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+inline ivec add_nibble_pairs(ivec acc16, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
+  return _mm512_add_epi16(acc16, _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0),
+                                                  _mm512_maddubs_epi16(u1, s1)));
 }
+inline ivec widen_pairs(ivec acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 #if defined(__AVX512VNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -84,7 +86,6 @@ inline ivec dot_signed(ivec acc, ivec q, ivec s) {  // |q| as the unsigned side,
   const __mmask64 negative = _mm512_movepi8_mask(q);
   return add_pairs(acc, _mm512_abs_epi8(q), _mm512_mask_sub_epi8(s, negative, izero(), s));
 }
-inline ivec unbias(ivec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
 #endif
 
 #else  // AVX2
@@ -118,10 +119,11 @@ inline ivec add_pairs(ivec acc, ivec u, ivec s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
                                                  _mm256_set1_epi16(1)));
 }
-inline ivec add_two_pairs(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
-  const ivec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline ivec add_nibble_pairs(ivec acc16, ivec u0, ivec s0, ivec u1, ivec s1) {  // u < 16 only
+  return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0),
+                                                  _mm256_maddubs_epi16(u1, s1)));
 }
+inline ivec widen_pairs(ivec acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
 #if defined(__AVXVNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -129,27 +131,27 @@ inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_ep
 inline ivec dot_signed(ivec acc, ivec q, ivec s) {
   return add_pairs(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q));
 }
-inline ivec unbias(ivec w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128)); }
 #endif
 
 #endif
 
-// An int8 weight's stored bytes are q + 128. vpdpbusd multiplies them as they are (the 128
-// comes back through the offsets); without VNNI, vpmaddubsw's int16 pairs would overflow on
-// 255 * 127, so the bytes are turned back into q and multiplied by sign.
+// An int8 weight's stored bytes are q + 128 where vpdpbusd multiplies them as they are (the
+// 128 comes back through the offsets). Without VNNI they are q itself: vpmaddubsw's int16 pairs
+// would overflow on 255 * 127, so |q| is the unsigned side and q's sign goes onto x.
 // A 4-bit register's two halves (u0, u1 < 16) against two broadcasts of x: without VNNI, their
-// int16 pair sums (at most 2 * 15 * 127 each) are added before they are widened, once.
+// vpmaddubsw pairs (at most 2 * 15 * 127 each) are summed in int16 over a block's kRegs
+// registers (4 * 2 * 3,810 = 30,480, inside int16) and widened to int32 once a block.
 #if defined(TIDAL_VNNI)
-constexpr float kInt8Bias = 128.f;
+constexpr int64_t kInt8Bias = 128;
 inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_unsigned(acc, w, s); }
 inline ivec dot_nibbles(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {
   return dot_unsigned(dot_unsigned(acc, u0, s0), u1, s1);
 }
 #else
-constexpr float kInt8Bias = 0.f;
-inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_signed(acc, unbias(w), s); }
-inline ivec dot_nibbles(ivec acc, ivec u0, ivec s0, ivec u1, ivec s1) {
-  return add_two_pairs(acc, u0, s0, u1, s1);
+constexpr int64_t kInt8Bias = 0;
+inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_signed(acc, w, s); }
+inline ivec dot_nibbles(ivec acc16, ivec u0, ivec s0, ivec u1, ivec s1) {
+  return add_nibble_pairs(acc16, u0, s0, u1, s1);
 }
 #endif
 
@@ -242,7 +244,8 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
       const int8_t* xb = xq + b * kBlock;
 #pragma GCC unroll 8
       for (int j = 0; j < kRegs; ++j, w += sizeof(ivec)) {
-        if (ahead != nullptr) __builtin_prefetch(ahead + (w - t.w), 0, 2);
+        if (ahead != nullptr && (sizeof(ivec) == 64 || j % 2 == 0))  // once a cache line
+          __builtin_prefetch(ahead + (w - t.w), 0, 2);
         const ivec v = load_bytes(w);
         if constexpr (kFour) {
           const ivec lo = low_nibbles(v), hi = high_nibbles(v);
@@ -255,12 +258,16 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
           for (int m = 0; m < M; ++m) sums[m] = dot_int8(sums[m], v, splat4(xb + m * sh.K + 4 * j));
         }
       }
-      for (int m = 0; m < M; ++m)
+      for (int m = 0; m < M; ++m) {
+#if !defined(TIDAL_VNNI)
+        if constexpr (kFour) sums[m] = widen_pairs(sums[m]);  // int16 pairs until here
+#endif
         group[m] = fma(to_float(sums[m]), splat(xscale[m * sh.blocks + b]), group[m]);
+      }
     }
     const fvec s = load_half(p);
     fvec o = sh.offsets ? load_half(p + kR) : fzero();
-    if constexpr (!kFour) o = fma(s, splat(-kInt8Bias), o);
+    if constexpr (!kFour && kInt8Bias != 0) o = fma(s, splat(-float(kInt8Bias)), o);
     for (int m = 0; m < M; ++m) {
       acc[m] = fma(group[m], s, acc[m]);
       acc[m] = fma(o, splat(xsums[m * sh.groups + g]), acc[m]);
@@ -291,7 +298,7 @@ void run_tile(int64_t rows, const Shape& sh, const int8_t* xq, const float* xsca
 
 }  // namespace
 
-std::vector<int64_t> dot_linear_tile() { return {kR, kBlock}; }
+std::vector<int64_t> dot_linear_tile() { return {kR, kBlock, kInt8Bias}; }
 
 bool dot_linear_supports(int64_t bits, int64_t group_size, int64_t in_features) {
   return (bits == 4 || bits == 8) && group_size > 0 && group_size % kBlock == 0 &&
@@ -415,7 +422,7 @@ torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> pac
 
 #else  // no AVX2: not offered (dot_linear_supports says no)
 
-std::vector<int64_t> dot_linear_tile() { return {0, kBlock}; }
+std::vector<int64_t> dot_linear_tile() { return {0, kBlock, 0}; }
 
 bool dot_linear_supports(int64_t, int64_t, int64_t) { return false; }
 

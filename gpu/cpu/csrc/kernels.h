@@ -58,8 +58,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
                            int64_t bits, int64_t group_size, int64_t out_features,
                            c10::optional<torch::Tensor> bias);
 
-// dot_linear.cpp: (output rows per item, inputs of x per int8 block) of dot_linear's layout
-// (0 rows: this build has no such kernel).
+// dot_linear.cpp: (output rows per item, inputs of x per int8 block, the bias an int8 weight's
+// bytes carry: 128 or 0) of dot_linear's layout (0 rows: this build has no such kernel).
 std::vector<int64_t> dot_linear_tile();
 
 // dot_linear.cpp: whether dot_linear takes bits-bit values in groups of group_size.

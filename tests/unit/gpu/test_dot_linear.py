@@ -18,6 +18,7 @@ from tidal.gpu.quantization.linear import (
     DOT,
     QuantLinear,
     candidate_methods,
+    dot_tile,
     pack_for_dot,
     round_activations,
 )
@@ -69,6 +70,19 @@ def test_rounding_the_rows_stays_close_to_the_float_linear(fmt):
     assert 0 < err < 0.01
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_4bit_block_fits_the_kernels_integer_sums(sign):
+    """Every nibble 15 against rows rounded to +-127: the largest sums a block's integer
+    products can make (without VNNI they are added in int16 over a block) still come out
+    exact."""
+    n = 24
+    q = torch.full((n, K), 15, dtype=torch.uint8)
+    qw = QuantizedWeight(4, 32, q, torch.ones(n, K // 32), torch.zeros(n, K // 32))
+    layer = QuantLinear(qw, plan=Plan.always(DOT))
+    x = torch.full((3, K), sign)
+    assert torch.equal(layer(x), torch.full((3, n), sign * 15.0 * K))
+
+
 def test_zero_rows_and_blocks_give_the_bias():
     qw = FORMATS["int4g32"](40)
     bias = torch.randn(40)
@@ -81,9 +95,9 @@ def test_zero_rows_and_blocks_give_the_bias():
 
 
 def test_the_pack_puts_each_value_where_the_kernel_reads_it():
-    rows, _ = KERNELS.dot_linear_tile()
+    rows, bias = dot_tile(KERNELS)
     qw = _random(4, 32, 3, offsets=True)
-    packed, params = pack_for_dot(qw, rows)
+    packed, params = pack_for_dot(qw, rows, bias)
     assert packed.numel() == rows * K // 2 and params.dtype == torch.float16
     first = packed[:4 * rows].view(rows, 4)  # item 0, inputs 0-7 of each row
     assert torch.equal(first[:3] & 15, qw.q[:, 0:4])
@@ -92,8 +106,11 @@ def test_the_pack_puts_each_value_where_the_kernel_reads_it():
     assert torch.equal(params[:3], qw.scales[:, 0].half())
     assert torch.equal(params[rows:rows + 3], qw.offsets[:, 0].half())
     int8 = _random(8, 32, 3, offsets=False)
-    packed, params = pack_for_dot(int8, rows)
-    assert torch.equal(packed[:4 * rows].view(rows, 4)[:3], int8.q[:, :4].view(torch.uint8) ^ 0x80)
+    packed, params = pack_for_dot(int8, rows, bias)
+    stored = int8.q[:, :4].view(torch.uint8)
+    assert torch.equal(packed[:4 * rows].view(rows, 4)[:3], stored ^ 0x80 if bias else stored)
+    assert torch.equal(pack_for_dot(int8, rows, 128)[0][:4 * rows].view(rows, 4)[:3],
+                       stored ^ 0x80)
     assert params.numel() == rows * K // 32
 
 
@@ -126,7 +143,7 @@ def test_several_weights_in_one_call_are_each_weights_own_call(fmt, shared):
     qw = weights[0]
     if not _fits(qw):
         return
-    packs = [pack_for_dot(w, KERNELS.dot_linear_tile()[0]) for w in weights]
+    packs = [pack_for_dot(w, *dot_tile(KERNELS)) for w in weights]
     x = torch.randn(1 if shared else 3, K, generator=torch.Generator().manual_seed(7))
     for dtype in (torch.float32, torch.bfloat16):
         xs = x.to(dtype)
