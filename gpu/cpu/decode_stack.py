@@ -9,6 +9,7 @@ and other dtypes keep the Python path. An int8 KV cache (``--kv-cache-dtype int8
 too: each layer's four cache tensors (values and scales) go to the same write and attention
 kernels as from Python. A quantized tied head's int8 embedding (``gpu/quantization/head.py``)
 gives the step a small table that each step's rows are dequantized into before the call.
+Qwen3's per-head query and key norms run in the step as in the Python model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
-    dtype or device, another attention backend, q/k norms, a model whose layers are not
+    dtype or device, another attention backend, a model whose layers are not
     Llama's (``one_call_decode``: Gemma's are not), experts (``gpu/moe.py``), or linears
     without a C++ ``PlannedLinear`` (not packed; quantized ones have one where the kernels are
     built), or tensor parallelism (its all-reduces run between the layers' ops), or pipeline
@@ -45,7 +46,7 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
     embedding = table.weight_format.q if quantized else table.weight
     dtype = table.dtype if quantized else embedding.dtype
     if (kernels is None or embedding.device.type != "cpu" or dtype not in STACK_DTYPES
-            or cfg.qk_norm or cfg.num_experts
+            or cfg.num_experts
             or not kernels.decode_attention_supports(cfg.head_dim)):
         return None
     attns = [layer.self_attn for layer in model.layers]
@@ -63,9 +64,11 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
                                 attns[0].scale)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = ((attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm
+                          else (None, None))
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel,
-                        mlp.down_proj.kernel)
+                        mlp.down_proj.kernel, q_norm, k_norm)
     return stack
 
 

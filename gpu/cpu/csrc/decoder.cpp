@@ -6,7 +6,8 @@
 // loop runs its Python while the step computes instead of between the step's kernels. An int8
 // KV cache (gpu/attention/kv_quant.py) takes the same path: each layer then has four cache
 // tensors, the int8 keys and values and their scales, which the cache write and decode
-// attention take as the Python model's do.
+// attention take as the Python model's do. Qwen3's per-head query and key norms run between the
+// qkv projection and the rotary embedding, as in the Python model.
 
 #include <torch/extension.h>
 
@@ -21,6 +22,7 @@ namespace {
 struct Layer {
   torch::Tensor input_norm, post_norm;
   PlannedLinear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // per-head norms (Qwen3), or none
 };
 
 }  // namespace
@@ -35,9 +37,10 @@ class DecodeStack {
         scale_(scale) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const PlannedLinear& qkv,
-                 const PlannedLinear& o, const PlannedLinear& gate_up,
-                 const PlannedLinear& down) {
-    layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down});
+                 const PlannedLinear& o, const PlannedLinear& gate_up, const PlannedLinear& down,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a query norm and a key norm, or neither");
+    layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm});
   }
 
   // Final normalised hidden states [tokens, hidden] of a step whose every request has one
@@ -81,6 +84,10 @@ class DecodeStack {
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    if (layer.q_norm.has_value()) {  // on copies of the views, as the Python model's norms
+      q = rms_norm(q.contiguous(), *layer.q_norm, eps_);
+      k = rms_norm(k.contiguous(), *layer.k_norm, eps_);
+    }
     rotary_embedding(q, k, cos_, sin_, positions);
     c10::optional<torch::Tensor> k_scale, v_scale;
     if (scaled) {

@@ -27,10 +27,11 @@ def _load(path, dtype=torch.float32, backend: str = "cpu") -> LoadedModel:
                       LoadOptions(get_attention_backend(backend, "cpu"), 512, dtype, "cpu"))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a biased qkv projection
+# qwen2: a biased qkv projection; qwen3: per-head query and key norms
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model_dir(request, tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp(request.param), request.param,
-                           hidden_size=128)  # head_dim 32, which the decode kernel takes
+                           hidden_size=128, head_dim=32)  # which the decode kernel takes
 
 
 def _step(loaded: LoadedModel, query_lens: list[int], seed: int,
@@ -130,5 +131,5 @@ def test_not_built_where_it_does_not_apply(model_dir, tmp_path):
     assert _load(model_dir, backend="torch").cpu.stack is None
     narrow_heads = build_model_dir(tmp_path / "hd16", "llama")  # head_dim 16: no kernel
     assert _load(narrow_heads).cpu.stack is None
-    qk_norm = build_model_dir(tmp_path / "qwen3", "qwen3", hidden_size=128)
-    assert _load(qk_norm).cpu.stack is None
+    experts = build_model_dir(tmp_path / "moe", "qwen3_moe", hidden_size=128, head_dim=32)
+    assert _load(experts).cpu.stack is None
