@@ -32,7 +32,9 @@ On the CPU the choice between grouped and gathered is timed per row bucket like 
 Quantized experts (``--quantization``, ``gpu/quantization/experts.py``) are one quantized
 linear per expert and projection: they take the grouped path on every device, each expert's
 GEMMs over its own rows in the quantized-linear kernels (on a GPU the Triton quantized GEMM,
-host-synced per step like any grouped step).
+host-synced per step like any grouped step). On the CPU, where the kernels are built, the
+block's ``block`` runs that path in C++ (``gpu/cpu/csrc/moe_block.cpp``: the same ops without
+the Python loop over experts), and the one-call decode step calls the same object.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ class MoE(nn.Module):
         self.routing = routing
         self.activation = activation
         self.plan: Plan | None = None
+        self.block: object | None = None  # the C++ block of quantized experts (experts.py)
         self.tp = tensor_parallel()  # each rank holds a slice of every expert's intermediate
 
     def extras(self) -> ExpertExtras:
@@ -289,6 +292,8 @@ class MoE(nn.Module):
         """The block's output; under tensor parallelism each rank's partial sum, all-reduced."""
         if runs_on_triton(x) and self.extras() is PLAIN and not self.quantized:
             return self.tp.all_reduce(self.run(x, moe_triton))
+        if self.block is not None and x.device.type == "cpu":
+            return self.tp.all_reduce(self.block(x))
         choice = (self.plan.pick(x.shape[0]) if self.plan is not None and not self.quantized
                   else GROUPED)
         return self.tp.all_reduce(self.run(x, PATHS[choice]))

@@ -28,6 +28,7 @@ from tidal.gpu.cpu.op_plans import (
     stack_rows,
 )
 from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.quantization.experts import compile_blocks
 from tidal.gpu.quantization.head import QuantEmbedding
 
 
@@ -66,11 +67,13 @@ class CpuBackend:
 
 def prepare_for_cpu(model: nn.Module, max_rows: int, max_seqs: int,
                     plan_cache: PlanCache | None = None, timed: bool = True) -> CpuBackend:
-    """Plan every op, pack the linears as planned, and build the one-call decode step."""
+    """Plan every op, pack the linears as planned, give quantized experts their C++ blocks,
+    and build the one-call decode step."""
     timed_here = timed and selector.mode() == "auto"
     cache = plan_cache if plan_cache is not None else (PlanCache() if timed_here else None)
     plans = plan_model(model, max_rows, max_seqs, cache, timed)
     log_plans(plans)
+    compile_blocks(model)  # quantized experts' C++ blocks, which the decode step calls too
     cpu = CpuBackend(plans, build_decode_stack(model, max(max_rows, max_seqs)),
                      stack_rows(model, max_seqs), model.embed_tokens)
     if cpu.stack is not None and timed_here and cache is not None:

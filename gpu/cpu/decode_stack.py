@@ -9,7 +9,9 @@ and other dtypes keep the Python path. An int8 KV cache (``--kv-cache-dtype int8
 too: each layer's four cache tensors (values and scales) go to the same write and attention
 kernels as from Python. A quantized tied head's int8 embedding (``gpu/quantization/head.py``)
 gives the step a small table that each step's rows are dequantized into before the call.
-Qwen3's per-head query and key norms run in the step as in the Python model.
+Qwen3's per-head query and key norms run in the step as in the Python model. A mixture of
+quantized experts (Qwen3-MoE, Mixtral) runs as the C++ block the Python model's ``MoE`` calls
+(``gpu/quantization/experts.compile_blocks``); float experts keep the Python path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tidal.gpu.attention import AttentionMetadata
 from tidal.gpu.attention.cpu_backend import CpuAttentionBackend
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import PackedLinear
+from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.head import QuantEmbedding
 from tidal.gpu.quantization.linear import QuantLinear
 
@@ -31,11 +34,11 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | None:
     """The model's ``DecodeStack``, or ``None`` where it does not apply: no kernels, another
     dtype or device, another attention backend, a model whose layers are not
-    Llama's (``one_call_decode``: Gemma's are not), experts (``gpu/moe.py``), or linears
-    without a C++ ``PlannedLinear`` (not packed; quantized ones have one where the kernels are
-    built), or tensor parallelism (its all-reduces run between the layers' ops), or pipeline
-    stages (the step runs the whole model). ``max_rows``:
-    the most rows a step may have, which an int8 embedding's staged table holds."""
+    Llama's (``one_call_decode``: Gemma's are not), experts without a C++ block (``MoE.block``:
+    float ones), or linears without a C++ ``PlannedLinear`` (not packed; quantized ones have one
+    where the kernels are built), or tensor parallelism (its all-reduces run between the
+    layers' ops), or pipeline stages (the step runs the whole model). ``max_rows``: the most
+    rows a step may have, which an int8 embedding's staged table holds."""
     kernels = load_cpu_kernels()
     if (model.tp.size > 1 or model.stage.size > 1
             or not getattr(model, "one_call_decode", False)):
@@ -46,8 +49,9 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
     embedding = table.weight_format.q if quantized else table.weight
     dtype = table.dtype if quantized else embedding.dtype
     if (kernels is None or embedding.device.type != "cpu" or dtype not in STACK_DTYPES
-            or cfg.num_experts
-            or not kernels.decode_attention_supports(cfg.head_dim)):
+            or not kernels.decode_attention_supports(cfg.head_dim)
+            or any(isinstance(layer.mlp, MoE) and layer.mlp.block is None
+                   for layer in model.layers)):
         return None
     attns = [layer.self_attn for layer in model.layers]
     linears = [m for layer in model.layers for m in layer.modules()
@@ -66,9 +70,13 @@ def build_decode_stack(model: torch.nn.Module, max_rows: int = 256) -> Any | Non
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = ((attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm
                           else (None, None))
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel,
-                        mlp.down_proj.kernel, q_norm, k_norm)
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if isinstance(mlp, MoE):
+            stack.add_moe_layer(*norms, attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.block,
+                                q_norm, k_norm)
+        else:
+            stack.add_layer(*norms, attn.qkv_proj.kernel, attn.o_proj.kernel,
+                            mlp.gate_up_proj.kernel, mlp.down_proj.kernel, q_norm, k_norm)
     return stack
 
 

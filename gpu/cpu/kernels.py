@@ -2,7 +2,8 @@
 (``prefill_attention.cpp``), the float32 GEMM of the linear layers (``linear.cpp``, with MKL's
 packed GEMM for many rows in ``mkl_linear.cpp``), the quantized linears (``quant_linear.cpp``,
 and ``dot_linear.cpp`` over int8-rounded activations), the MLP's SiLU(gate) * up
-(``activation.cpp``), the greedy sampler's argmax (``argmax.cpp``), and the KV-cache write,
+(``activation.cpp``), a block of quantized experts (``moe_block.cpp``), the one-call decode
+step (``decoder.cpp``), the greedy sampler's argmax (``argmax.cpp``), and the KV-cache write,
 RMSNorm (with or without the residual add before it), rotary embeddings and
 the flush of denormal floats on torch's worker threads (``kernels.cpp``).
 
@@ -39,7 +40,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name
            for name in ("kernels.cpp", "attention.cpp", "prefill_attention.cpp", "linear.cpp",
                         "mkl_linear.cpp", "quant_linear.cpp", "dot_linear.cpp",
-                        "planned_linear.cpp",
+                        "planned_linear.cpp", "moe_block.cpp",
                         "activation.cpp", "argmax.cpp", "inputs.cpp", "decoder.cpp")]
 HEADERS = [CSRC / name
            for name in ("decode_rows.h", "kernels.h", "paged.h", "parallel.h", "vec.h")]

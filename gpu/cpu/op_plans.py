@@ -134,7 +134,8 @@ def stack_rows(model: nn.Module, max_seqs: int) -> list[bool]:
     kernels, as the one-call decode step runs nothing else (its linears follow their plans).
     The rule where the step is not timed as a whole (``plan_decode_stack``)."""
     attn = model.layers[0].self_attn
-    act = getattr(model.layers[0].mlp, "act_fn", None)  # None: experts, which no stack runs
+    acts = [layer.mlp.act_fn for layer in model.layers if hasattr(layer.mlp, "act_fn")]
+    act = acts[0] if acts else None  # experts' silu_and_mul has no plan: the kernel's always
     norm = model.norm if model.norm is not None else model.layers[0].input_layernorm  # a stage's
     plans = [norm.plan, act and act.plan, attn.rotary.plan,
              getattr(attn.backend, "decode_plan", None)]
@@ -150,7 +151,9 @@ def plan_decode_stack(model: nn.Module, cpu: CpuBackend, max_seqs: int,
     linears = ",".join(sorted({type(m).__name__ for m in model.layers[0].modules()
                                if hasattr(m, "kernel")}))
     cfg, dtype = model.local_config, model.norm.weight.dtype
-    key = (f"decode_stack|{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}|"
+    experts = (f"|{cfg.num_experts}e top{cfg.num_experts_per_tok} x{cfg.moe_intermediate_size}"
+               if cfg.num_experts else "")
+    key = (f"decode_stack|{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}{experts}|"
            f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}|{linears}|"
            f"{str(dtype).removeprefix('torch.')}|ctx{min(DECODE_CONTEXT, model.max_positions)}")
     with denormals_flushed():

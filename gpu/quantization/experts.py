@@ -11,6 +11,11 @@ experts are planned and packed as soon as they are all read, so the load never h
 a layer of them unpacked (one value a byte, float32 scales), nor a layer of float weights.
 
 Expert biases (gpt-oss's) stay in the model's dtype, added after each expert's GEMM.
+
+On the CPU a block whose router and experts all have their C++ ``PlannedLinear`` is given its
+C++ form (``compile_blocks``, ``gpu/cpu/csrc/moe_block.cpp``), which runs the grouped path
+without a Python loop over the experts; gpt-oss's biases, activation and routing keep the
+Python path.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 from torch import nn
 
 from tidal.gpu.cpu.host_allocator import release_freed_host_memory
-from tidal.gpu.moe import MoE
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.moe import PLAIN, MoE
 from tidal.gpu.moe_weights import ExpertSlot
 from tidal.gpu.quantization.linear import DOT, QuantLinear, QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows, quantize
@@ -70,6 +76,30 @@ class ExpertLinears(nn.ModuleList):
 def _dot_at_one_row(layer: QuantLinear) -> bool:
     return (layer.packs is not None and layer.packs.dot is not None
             and layer.plan.pick(1) == DOT)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Set each MoE block's ``block``: its C++ form where it applies (``_compiled``), else None."""
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            moe.block = _compiled(moe)
+
+
+def _compiled(moe: MoE) -> object | None:
+    """The C++ ``MoeBlock`` of a block of quantized, plain experts (no biases, SiLU, the
+    softmax before the top-k) whose router and experts all have a ``PlannedLinear``."""
+    experts, kernels = moe.experts, load_cpu_kernels()
+    if (kernels is None or not isinstance(experts, QuantExperts) or moe.extras() is not PLAIN
+            or moe.routing.softmax_after_topk):
+        return None
+    gate_up = [layer.kernel for layer in experts.gate_up_proj]
+    down = [layer.kernel for layer in experts.down_proj]
+    router = getattr(moe.gate, "kernel", None)
+    if router is None or any(k is None for k in [*gate_up, *down]):
+        return None
+    routing = moe.routing
+    return kernels.MoeBlock(router, gate_up, down, routing.top_k, routing.renormalize,
+                            routing.float32_weights)
 
 
 def quantize_experts_on_read(name: str, value: Weight, method: str, group_size: int

@@ -7,10 +7,13 @@
 // KV cache (gpu/attention/kv_quant.py) takes the same path: each layer then has four cache
 // tensors, the int8 keys and values and their scales, which the cache write and decode
 // attention take as the Python model's do. Qwen3's per-head query and key norms run between the
-// qkv projection and the rotary embedding, as in the Python model.
+// qkv projection and the rotary embedding, as in the Python model. A layer's feed-forward block
+// is a dense gated MLP or a mixture of quantized experts (moe_block.cpp: Qwen3-MoE, Mixtral),
+// the same block object the Python model calls.
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -21,8 +24,14 @@ namespace {
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  PlannedLinear qkv, o, gate_up, down;
+  PlannedLinear qkv, o;
+  std::vector<PlannedLinear> mlp;        // a dense MLP's gate/up and down, or none
+  std::shared_ptr<const MoeBlock> moe;   // else a mixture of experts (moe_block.cpp)
   c10::optional<torch::Tensor> q_norm, k_norm;  // per-head norms (Qwen3), or none
+
+  torch::Tensor feed_forward(const torch::Tensor& h) const {
+    return moe ? (*moe)(h) : mlp[1](silu_and_mul(mlp[0](h)));
+  }
 };
 
 }  // namespace
@@ -40,7 +49,16 @@ class DecodeStack {
                  const PlannedLinear& o, const PlannedLinear& gate_up, const PlannedLinear& down,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a query norm and a key norm, or neither");
-    layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm});
+    layers_.push_back(Layer{input_norm, post_norm, qkv, o, {gate_up, down}, nullptr, q_norm, k_norm});
+  }
+
+  // A layer whose feed-forward block is a mixture of experts.
+  void add_moe_layer(torch::Tensor input_norm, torch::Tensor post_norm, const PlannedLinear& qkv,
+                     const PlannedLinear& o, const MoeBlock& moe,
+                     c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a query norm and a key norm, or neither");
+    layers_.push_back(Layer{input_norm, post_norm, qkv, o, {},
+                            std::make_shared<const MoeBlock>(moe), q_norm, k_norm});
   }
 
   // Final normalised hidden states [tokens, hidden] of a step whose every request has one
@@ -67,7 +85,7 @@ class DecodeStack {
       torch::Tensor attn = attention(layer, h, positions, caches, per_layer == 4, slot_mapping,
                                      block_table, seq_lens, requests, query_rows);
       std::tie(x, h) = add_rms_norm(x, attn, layer.post_norm, eps_);
-      delta = layer.down(silu_and_mul(layer.gate_up(h)));
+      delta = layer.feed_forward(h);
     }
     return std::get<1>(add_rms_norm(x, delta, final_norm_, eps_));
   }
@@ -112,5 +130,6 @@ void bind_decode_stack(py::module& m) {
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                     int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("add_moe_layer", &DecodeStack::add_moe_layer)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -357,5 +357,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_items_probe", &parallel_items_probe, py::call_guard<py::gil_scoped_release>(),
         "[n, 2] (thread, times done) per item of parallel_items, one thread held up");
   bind_planned_linear(m);
+  bind_moe_block(m);
   bind_decode_stack(m);
 }

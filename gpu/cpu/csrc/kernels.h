@@ -117,6 +117,27 @@ struct PlannedLinear {
 
 void bind_planned_linear(py::module& m);
 
+// moe_block.cpp: a MoE block of quantized experts (gpu/moe.py's grouped path; a lone row's
+// experts in one dot_linear_experts call per projection where their plans allow).
+struct MoeBlock {
+  PlannedLinear router;
+  std::vector<PlannedLinear> gate_up, down;  // one per expert
+  int64_t top_k;
+  bool renormalize, float32_weights;  // gpu/moe.py's Routing
+
+  MoeBlock(PlannedLinear router, std::vector<PlannedLinear> gate_up,
+           std::vector<PlannedLinear> down, int64_t top_k, bool renormalize,
+           bool float32_weights);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+
+ private:
+  torch::Tensor expert(const torch::Tensor& rows, int64_t e) const;
+  torch::Tensor lone_row(const torch::Tensor& x, const torch::Tensor& ids) const;
+  torch::Tensor grouped(const torch::Tensor& x, const torch::Tensor& ids) const;
+};
+
+void bind_moe_block(py::module& m);
+
 // attention.cpp: whether decode_attention takes this head_dim.
 bool decode_attention_supports(int64_t head_dim);
 

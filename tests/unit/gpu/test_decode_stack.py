@@ -22,9 +22,11 @@ BLOCK = 16
 CONTEXTS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 97, 200]
 
 
-def _load(path, dtype=torch.float32, backend: str = "cpu") -> LoadedModel:
+def _load(path, dtype=torch.float32, backend: str = "cpu",
+          quantization: str | None = None) -> LoadedModel:
     return load_model(path, ModelConfig.from_dir(path),
-                      LoadOptions(get_attention_backend(backend, "cpu"), 512, dtype, "cpu"))
+                      LoadOptions(get_attention_backend(backend, "cpu"), 512, dtype, "cpu",
+                                  quantization=quantization))
 
 
 # qwen2: a biased qkv projection; qwen3: per-head query and key norms
@@ -35,14 +37,14 @@ def model_dir(request, tmp_path_factory):
 
 
 def _step(loaded: LoadedModel, query_lens: list[int], seed: int,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, contexts: list[int] = CONTEXTS):
     cfg = loaded.model.config
-    meta = paged_layout(CONTEXTS, query_lens, BLOCK, seed=seed)
+    meta = paged_layout(contexts, query_lens, BLOCK, seed=seed)
     torch.manual_seed(seed)
     caches = [random_caches(meta, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype)
               for _ in range(cfg.num_layers)]
     ids = torch.randint(0, cfg.vocab_size, (meta.num_actual_tokens,))
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(CONTEXTS, query_lens)])
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(contexts, query_lens)])
     return ids, positions, caches, meta
 
 
@@ -84,6 +86,24 @@ def test_decode_step_is_bitwise_the_python_model(model_dir, dtype):
     stack = Counted(loaded.cpu.stack)
     for seed in range(3):
         ids, positions, caches, meta = _step(loaded, [1] * len(CONTEXTS), seed, dtype)
+        python = _forward(loaded, None, ids, positions, caches, meta)
+        ours = _forward(loaded, stack, ids, positions, caches, meta)
+        assert stack.calls == seed + 1
+        assert torch.equal(ours, python)
+
+
+# Qwen3-MoE: experts in every layer but one (a dense MLP), q/k norms; Mixtral: top-2 of 8
+@pytest.mark.parametrize("dtype", STACK_DTYPES)
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "int4"), ("mixtral", "int8")])
+def test_quantized_experts_decode_in_the_one_call_step(arch, method, dtype, tmp_path):
+    """A model of quantized experts decodes on the stack, bitwise the Python model, at many
+    rows (the grouped experts) and at one (a lone row's experts together)."""
+    path = build_model_dir(tmp_path / arch, arch, hidden_size=128, head_dim=32)
+    loaded = _load(path, dtype, quantization=method)
+    assert loaded.cpu.stack is not None
+    stack = Counted(loaded.cpu.stack)
+    for seed, contexts in enumerate([CONTEXTS, [37], CONTEXTS[:3]]):
+        ids, positions, caches, meta = _step(loaded, [1] * len(contexts), seed, dtype, contexts)
         python = _forward(loaded, None, ids, positions, caches, meta)
         ours = _forward(loaded, stack, ids, positions, caches, meta)
         assert stack.calls == seed + 1

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.cpu.packed_linear import PackedLinear
 from tidal.gpu.cpu.selector import Plan
 from tidal.gpu.layers import clamped_swiglu
 from tidal.gpu.model_config import ModelConfig
@@ -189,3 +190,63 @@ def test_a_cpu_load_packs_each_layers_experts_as_soon_as_they_are_read(tmp_path,
                     assert (got is None) == (ref is None)
                     for a, b in zip(got or (), ref or ()):
                         assert torch.equal(a, b)
+
+
+def _compiled_blocks(arch: str, method: str, dtype: torch.dtype, tmp_path) -> list[MoE]:
+    """The MoE blocks of a random ``arch`` model loaded on the CPU with ``method`` experts."""
+    path = build_model_dir(tmp_path / arch, arch, hidden_size=128, head_dim=32)
+    options = LoadOptions(get_attention_backend("cpu", "cpu"), 128, dtype, "cpu",
+                          quantization=method)
+    loaded = load_model(path, ModelConfig.from_dir(path), options)
+    return [m for m in loaded.model.modules() if isinstance(m, MoE)]
+
+
+@pytest.mark.skipif(not _dot_built(), reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "int4"), ("mixtral", "int8")])
+def test_the_compiled_block_is_bitwise_the_python_grouped_path(arch, method, dtype, tmp_path):
+    """A CPU load gives each block of quantized experts its C++ form (``compile_blocks``),
+    which the block then calls: bit for bit the Python grouped path's output, for a lone row
+    (its experts together on the dot kernel, or one by one where a plan says otherwise) and
+    for many (Mixtral's routing weights in float32, Qwen3-MoE's rounded)."""
+    blocks = _compiled_blocks(arch, method, dtype, tmp_path)
+    assert blocks and all(moe.block is not None for moe in blocks)
+    g = torch.Generator().manual_seed(0)
+    for moe in blocks:
+        for tokens in (1, 2, 9, 40):
+            x = torch.randn(tokens, 128, generator=g).to(dtype)
+            with torch.no_grad():
+                compiled = moe(x)
+                block, moe.block = moe.block, None
+                python = moe(x)
+                moe.block = block
+            assert torch.equal(compiled, python)
+
+
+@pytest.mark.skipif(not _dot_built(), reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_compiled_lone_row_takes_its_experts_one_by_one_where_planned(method):
+    """Experts whose plan gives one row to another kernel than the dot kernel: the compiled
+    block runs a lone row's experts one by one, as the Python path does, bit for bit."""
+    moe = _planned_block(method, DOT, {e: KERNELS for e in range(E)})
+    moe.gate = PackedLinear(moe.gate)
+    experts_module.compile_blocks(moe)
+    assert moe.block is not None
+    for seed in range(3):
+        x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            compiled = moe(x)
+            block, moe.block = moe.block, None
+            assert torch.equal(compiled, moe(x))
+            moe.block = block
+
+
+def test_only_plain_quantized_experts_are_compiled():
+    """gpt-oss's experts (biases, its activation and routing) and float experts keep the
+    Python path; so does a block whose router has no C++ linear."""
+    gpt_oss, _, _ = _quantized_block("int8", bias=True)
+    plain, _, _ = _quantized_block("int8", bias=False)  # its router an nn.Linear
+    floats = MoE(H, INTER, E, Routing(2, True))
+    for moe in (gpt_oss, plain, floats):
+        experts_module.compile_blocks(moe)
+        assert moe.block is None
