@@ -365,6 +365,77 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
   return y;
 }
 
+namespace {
+
+// One weight of a group call: rows in_row.. of x's quantized rows times it, into rows out_row..
+// of y (n rows; in_row is 0 for every weight where they all take x's one row).
+struct Group {
+  const uint8_t* w;
+  const uint16_t* params;
+  int64_t in_row, out_row, n;
+};
+
+// Weights alike in shape and format, each over its own rows, in one parallel region, the rows of
+// each tiled as dot_linear tiles them (so each weight's products are dot_linear's, bit for bit).
+torch::Tensor run_groups(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                         const std::vector<torch::Tensor>& params, std::vector<Group> groups,
+                         int64_t y_rows, int64_t bits, int64_t group_size, int64_t out_features,
+                         const char* name) {
+  const int64_t G = static_cast<int64_t>(groups.size());
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == G && static_cast<int64_t>(params.size()) == G,
+              name, ": one packed weight and one params tensor per group");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, name,
+              ": x must be a contiguous float32 [rows, in_features]");
+  const int64_t K = x.size(1), items = (out_features + kR - 1) / kR;
+  TORCH_CHECK(dot_linear_supports(bits, group_size, K), name, ": no ", bits, "-bit groups of ",
+              group_size, " over ", K, " inputs");
+  const int64_t groups_k = K / group_size, per_item = groups_k * kR;
+  torch::Tensor y = torch::empty({y_rows, out_features}, x.options());
+  if (G == 0) return y;
+  const bool offsets = params[0].numel() == 2 * items * per_item;
+  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(packed[g].scalar_type() == at::kByte && packed[g].is_contiguous() &&
+                    packed[g].numel() == items * item_bytes,
+                name, ": packed weight of the wrong size");
+    TORCH_CHECK(params[g].scalar_type() == at::kHalf && params[g].is_contiguous() &&
+                    params[g].numel() == items * item_params,
+                name, ": params of the wrong size");
+    TORCH_CHECK(groups[g].n > 0 && groups[g].in_row >= 0 && groups[g].in_row + groups[g].n <= x.size(0) &&
+                    groups[g].out_row >= 0 && groups[g].out_row + groups[g].n <= y_rows,
+                name, ": a group's rows out of range");
+    groups[g].w = packed[g].data_ptr<uint8_t>();
+    groups[g].params = reinterpret_cast<const uint16_t*>(params[g].data_ptr<at::Half>());
+  }
+  const Shape sh{K, K / kBlock, groups_k, group_size / kBlock, out_features, offsets};
+  float* ys = y.data_ptr<float>();
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), x.size(0), K, group_size, xq);
+  tidal::parallel_items(G * items, [&](tidal::ItemSource& source) {
+    for (int64_t i = source.next(); i >= 0; i = source.next()) {
+      const Group& grp = groups[i / items];
+      const int64_t j = i % items;
+      const uint8_t* next = j + 1 < items ? grp.w + (j + 1) * item_bytes
+                                          : (i / items + 1 < G ? groups[i / items + 1].w : nullptr);
+      Item t{grp.w + j * item_bytes, grp.params + j * item_params, next, nullptr,
+             std::min(kR, out_features - j * kR), nullptr};
+      for (int64_t m = 0; m < grp.n; m += kXRows) {
+        const int64_t row = grp.in_row + m, n = std::min<int64_t>(kXRows, grp.n - m);
+        t.y = ys + (grp.out_row + m) * out_features + j * kR;
+        if (bits == 4)
+          run_tile<true>(n, sh, xq.q.data() + row * K, xq.scale.data() + row * sh.blocks,
+                         xq.sums.data() + row * groups_k, t);
+        else
+          run_tile<false>(n, sh, xq.q.data() + row * K, xq.scale.data() + row * sh.blocks,
+                          xq.sums.data() + row * groups_k, t);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
 // Several weights of one shape, each over its own row of x (or all over x's one row), in one
 // parallel region: a MoE block's experts for a lone decode row, where a call per expert would
 // spend more on each call's start and end than on its few hundred kilobytes of weights.
@@ -375,49 +446,28 @@ torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> pac
     return dot_linear_experts(x.to(at::kFloat).contiguous(), packed, params, bits, group_size,
                               out_features).to(x.scalar_type());
   const int64_t E = static_cast<int64_t>(packed.size());
-  TORCH_CHECK(E > 0 && static_cast<int64_t>(params.size()) == E,
-              "dot_linear_experts: one params tensor per packed weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.size(0) == 1 || x.size(0) == E),
-              "dot_linear_experts: x must be a contiguous float32 [1 or experts, in_features]");
-  const int64_t rows = x.size(0), K = x.size(1), items = (out_features + kR - 1) / kR;
-  TORCH_CHECK(dot_linear_supports(bits, group_size, K), "dot_linear_experts: no ", bits,
-              "-bit groups of ", group_size, " over ", K, " inputs");
-  const int64_t groups = K / group_size, per_item = groups * kR;
-  const bool offsets = params[0].numel() == 2 * items * per_item;
-  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
-  std::vector<const uint8_t*> w(E);
-  std::vector<const uint16_t*> pr(E);
-  for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(packed[e].scalar_type() == at::kByte && packed[e].is_contiguous() &&
-                    packed[e].numel() == items * item_bytes,
-                "dot_linear_experts: packed weight of the wrong size");
-    TORCH_CHECK(params[e].scalar_type() == at::kHalf && params[e].is_contiguous() &&
-                    params[e].numel() == items * item_params,
-                "dot_linear_experts: params of the wrong size");
-    w[e] = packed[e].data_ptr<uint8_t>();
-    pr[e] = reinterpret_cast<const uint16_t*>(params[e].data_ptr<at::Half>());
-  }
-  torch::Tensor y = torch::empty({E, out_features}, x.options());
-  const Shape sh{K, K / kBlock, groups, group_size / kBlock, out_features, offsets};
-  float* ys = y.data_ptr<float>();
-  QuantizedRows xq;
-  quantize_rows(x.data_ptr<float>(), rows, K, group_size, xq);
-  tidal::parallel_items(E * items, [&](tidal::ItemSource& source) {
-    for (int64_t i = source.next(); i >= 0; i = source.next()) {
-      const int64_t e = i / items, j = i % items, m = rows == 1 ? 0 : e;
-      const uint8_t* next = j + 1 < items ? w[e] + (j + 1) * item_bytes
-                                          : (e + 1 < E ? w[e + 1] : nullptr);
-      const Item t{w[e] + j * item_bytes, pr[e] + j * item_params, next,
-                   ys + e * out_features + j * kR, std::min(kR, out_features - j * kR), nullptr};
-      if (bits == 4)
-        run_tile<true>(1, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
-                       xq.sums.data() + m * groups, t);
-      else
-        run_tile<false>(1, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
-                        xq.sums.data() + m * groups, t);
-    }
-  });
-  return y;
+  TORCH_CHECK(E > 0 && x.dim() == 2 && (x.size(0) == 1 || x.size(0) == E),
+              "dot_linear_experts: x must be [1 or experts, in_features]");
+  std::vector<Group> groups;
+  for (int64_t e = 0; e < E; ++e) groups.push_back({nullptr, nullptr, x.size(0) == 1 ? 0 : e, e, 1});
+  return run_groups(x, packed, params, std::move(groups), E, bits, group_size, out_features,
+                    "dot_linear_experts");
+}
+
+torch::Tensor dot_linear_groups(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                std::vector<torch::Tensor> params, std::vector<int64_t> starts,
+                                std::vector<int64_t> counts, int64_t bits, int64_t group_size,
+                                int64_t out_features) {
+  if (x.scalar_type() != at::kFloat)  // bfloat16 rows: widened, multiplied, rounded back
+    return dot_linear_groups(x.to(at::kFloat).contiguous(), packed, params, starts, counts, bits,
+                             group_size, out_features).to(x.scalar_type());
+  TORCH_CHECK(starts.size() == packed.size() && counts.size() == packed.size(),
+              "dot_linear_groups: a start and a count per weight");
+  std::vector<Group> groups;
+  for (size_t g = 0; g < packed.size(); ++g)
+    groups.push_back({nullptr, nullptr, starts[g], starts[g], counts[g]});
+  return run_groups(x, packed, params, std::move(groups), x.size(0), bits, group_size,
+                    out_features, "dot_linear_groups");
 }
 
 #else  // no AVX2: not offered (dot_linear_supports says no)
@@ -434,6 +484,12 @@ torch::Tensor dot_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, i
 torch::Tensor dot_linear_experts(torch::Tensor, std::vector<torch::Tensor>,
                                  std::vector<torch::Tensor>, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "dot_linear_experts: this build has no integer dot products (AVX2 or later)");
+}
+
+torch::Tensor dot_linear_groups(torch::Tensor, std::vector<torch::Tensor>,
+                                std::vector<torch::Tensor>, std::vector<int64_t>,
+                                std::vector<int64_t>, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "dot_linear_groups: this build has no integer dot products (AVX2 or later)");
 }
 
 #endif

@@ -350,6 +350,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T + b, x rounded to int8 per block, W in dot_linear_tile's layout");
   m.def("dot_linear_experts", &dot_linear_experts, py::call_guard<py::gil_scoped_release>(),
         "y[e] = x[e] W_e^T over several weights of one shape in dot_linear_tile's layout");
+  m.def("dot_linear_groups", &dot_linear_groups, py::call_guard<py::gil_scoped_release>(),
+        "rows starts[g]:starts[g]+counts[g] of x times weight g, into the same rows of y");
   m.def("dot_linear_tile", &dot_linear_tile,
         "(output rows per item, inputs per int8 block of x) of dot_linear's layout");
   m.def("dot_linear_supports", &dot_linear_supports,

@@ -77,6 +77,14 @@ torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> pac
                                  std::vector<torch::Tensor> params, int64_t bits,
                                  int64_t group_size, int64_t out_features);
 
+// dot_linear.cpp: rows starts[g] .. starts[g] + counts[g] of x times weight g, into the same
+// rows of y, each weight's rows as dot_linear multiplies them, all in one parallel region (a MoE
+// block's experts over their tokens' rows); rows no weight covers are left unset.
+torch::Tensor dot_linear_groups(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                std::vector<torch::Tensor> params, std::vector<int64_t> starts,
+                                std::vector<int64_t> counts, int64_t bits, int64_t group_size,
+                                int64_t out_features);
+
 // planned_linear.cpp: a linear layer whose plan names, for each row count, which packed copy
 // of its weight runs it. Methods: 0 tidal's panels, 1 MKL's pack, 2 oneDNN's pack, 3 torch's
 // at::linear over the plain weight [out_features, in_features]; for a quantized weight
@@ -134,6 +142,9 @@ struct MoeBlock {
   torch::Tensor expert(const torch::Tensor& rows, int64_t e) const;
   torch::Tensor lone_row(const torch::Tensor& x, const torch::Tensor& ids) const;
   torch::Tensor grouped(const torch::Tensor& x, const torch::Tensor& ids) const;
+  // rows sorted by expert (counts[e] of expert e's) through each expert's projection
+  torch::Tensor project(const std::vector<PlannedLinear>& linears, const torch::Tensor& rows,
+                        const std::vector<int64_t>& counts) const;
 };
 
 void bind_moe_block(py::module& m);

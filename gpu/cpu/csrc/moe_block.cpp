@@ -3,11 +3,15 @@
 // says), each expert's gated MLP over its own rows through its PlannedLinears, the outputs
 // weighted and summed in the same torch ops. A lone row (decode at concurrency 1) runs the
 // projections of all its chosen experts in one dot_linear_experts call each, where their plans
-// give one row to the dot kernel. The Python block calls it, and so does the one-call decode
-// step (decoder.cpp): what it saves is the per-expert Python loop of a step with many rows.
+// give one row to the dot kernel. With many rows, the experts whose plans give their row counts
+// to the dot kernel run each projection in one dot_linear_groups call (each expert's products
+// what its own call gives, bit for bit), the others one call each. The Python block calls it,
+// and so does the one-call decode step (decoder.cpp): what it saves is the per-expert Python
+// loop and a parallel region per expert and projection.
 
 #include "kernels.h"
 
+#include <utility>
 #include <vector>
 
 namespace {
@@ -75,14 +79,40 @@ torch::Tensor MoeBlock::lone_row(const torch::Tensor& x, const torch::Tensor& id
 torch::Tensor MoeBlock::grouped(const torch::Tensor& x, const torch::Tensor& ids) const {
   const torch::Tensor flat = ids.reshape(-1);
   const torch::Tensor order = at::argsort(flat, /*stable=*/true, 0, false);
-  const torch::Tensor counts =
+  const torch::Tensor bins =
       at::bincount(flat, {}, static_cast<int64_t>(gate_up.size())).contiguous();
+  const int64_t* n = bins.data_ptr<int64_t>();
+  const std::vector<int64_t> counts(n, n + bins.numel());
   const torch::Tensor rows = x.index_select(0, at::floor_divide(order, top_k));
-  torch::Tensor sorted_out = at::empty({flat.numel(), x.size(1)}, x.options());
-  const int64_t* n = counts.data_ptr<int64_t>();
-  for (int64_t e = 0, start = 0; e < counts.numel(); start += n[e], ++e)
-    if (n[e]) sorted_out.narrow(0, start, n[e]).copy_(expert(rows.narrow(0, start, n[e]), e));
+  const torch::Tensor sorted_out = project(down, silu_and_mul(project(gate_up, rows, counts)),
+                                           counts);
   return at::empty_like(sorted_out).index_copy_(0, order, sorted_out);
+}
+
+torch::Tensor MoeBlock::project(const std::vector<PlannedLinear>& linears,
+                                const torch::Tensor& rows,
+                                const std::vector<int64_t>& counts) const {
+  std::vector<torch::Tensor> packed, params;
+  std::vector<int64_t> starts, sizes;
+  std::vector<std::pair<int64_t, int64_t>> others;  // (expert, start): plans give them elsewhere
+  for (int64_t e = 0, start = 0; e < static_cast<int64_t>(counts.size()); start += counts[e++]) {
+    if (counts[e] == 0) continue;
+    const PlannedLinear& linear = linears[e];
+    if (linear.quant->dot_packed.has_value() && linear.method(counts[e]) == kQuantDot) {
+      packed.push_back(*linear.quant->dot_packed);
+      params.push_back(*linear.quant->dot_params);
+      starts.push_back(start);
+      sizes.push_back(counts[e]);
+    } else {
+      others.emplace_back(e, start);
+    }
+  }
+  const QuantPack& first = *linears[0].quant;
+  torch::Tensor y = dot_linear_groups(rows, packed, params, starts, sizes, first.bits,
+                                      first.group_size, first.out_features);
+  for (const auto& [e, start] : others)
+    y.narrow(0, start, counts[e]).copy_(linears[e](rows.narrow(0, start, counts[e])));
+  return y;
 }
 
 void bind_moe_block(py::module& m) {

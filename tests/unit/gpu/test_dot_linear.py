@@ -160,6 +160,33 @@ def test_several_weights_in_one_call_are_each_weights_own_call(fmt, shared):
                                            atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_weights_over_their_own_rows_in_one_call_are_each_weights_own_call(fmt):
+    """``dot_linear_groups``: weight g over its run of rows (1, 2, 5 and 70 of them: a lone
+    row, a tile, a tile and a half, past a chunk), equal to ``dot_linear`` over those rows,
+    bfloat16 rows too; rows between the runs are left to the caller."""
+    counts, gap = [1, 2, 5, 70], 3
+    weights = [_random_like(FORMATS[fmt](37), g + 1) for g in range(len(counts))]
+    qw = weights[0]
+    if not _fits(qw):
+        return
+    packs = [pack_for_dot(w, *dot_tile(KERNELS)) for w in weights]
+    starts = [sum(counts[:g]) + gap * g for g in range(len(counts))]
+    x = torch.randn(starts[-1] + counts[-1], K, generator=torch.Generator().manual_seed(8))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        got = KERNELS.dot_linear_groups(xs, [p for p, _ in packs], [s for _, s in packs],
+                                        starts, counts, qw.bits, qw.group_size, 37)
+        assert got.shape == (x.shape[0], 37) and got.dtype == dtype
+        for (packed, params), start, n in zip(packs, starts, counts):
+            alone = KERNELS.dot_linear(xs[start:start + n], packed, params, qw.bits,
+                                       qw.group_size, 37, None)
+            assert torch.equal(got[start:start + n], alone), (fmt, start, dtype)
+    with pytest.raises(RuntimeError, match="out of range"):
+        KERNELS.dot_linear_groups(x, [packs[0][0]], [packs[0][1]], [x.shape[0] - 1], [2],
+                                  qw.bits, qw.group_size, 37)
+
+
 def _random_like(qw: QuantizedWeight, seed: int) -> QuantizedWeight:
     """Another weight of ``qw``'s format and shape: its values permuted by ``seed``."""
     perm = torch.randperm(qw.shape[0], generator=torch.Generator().manual_seed(seed))

@@ -223,17 +223,28 @@ def test_the_compiled_block_is_bitwise_the_python_grouped_path(arch, method, dty
             assert torch.equal(compiled, python)
 
 
+# each expert's plan: all on the dot kernel, none, or every other one (others: tidal's kernel)
+PLANS = {"dot": lambda e: DOT, "kernels": lambda e: KERNELS,
+         "mixed": lambda e: DOT if e % 2 else KERNELS}
+
+
 @pytest.mark.skipif(not _dot_built(), reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("plans", PLANS)
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_a_compiled_lone_row_takes_its_experts_one_by_one_where_planned(method):
-    """Experts whose plan gives one row to another kernel than the dot kernel: the compiled
-    block runs a lone row's experts one by one, as the Python path does, bit for bit."""
-    moe = _planned_block(method, DOT, {e: KERNELS for e in range(E)})
+def test_the_compiled_block_follows_each_experts_plan(method, plans):
+    """Experts planned on the dot kernel run in one ``dot_linear_groups`` call per projection
+    (a lone row's in one ``dot_linear_experts`` call where all are), the others one call
+    each: bit for bit the Python path, expert by expert, at every row count."""
+    moe, _, _ = _quantized_block(method, bias=False)
+    for e, (gate_up, down) in enumerate(zip(moe.experts.gate_up_proj, moe.experts.down_proj)):
+        gate_up.replan(Plan.always(PLANS[plans](e)))
+        down.replan(Plan.always(PLANS[plans](e)))
     moe.gate = PackedLinear(moe.gate)
     experts_module.compile_blocks(moe)
     assert moe.block is not None
-    for seed in range(3):
-        x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(0)
+    for tokens in (1, 2, 3, 9, 40):
+        x = torch.randn(tokens, H, generator=g)
         with torch.no_grad():
             compiled = moe(x)
             block, moe.block = moe.block, None
