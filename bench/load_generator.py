@@ -235,19 +235,25 @@ async def run_classes(url: str, model: str, classes: dict[str, RequestClass],
     return report
 
 
+KEEPALIVE_S = 1.0  # how long the client keeps an idle connection (client_session)
+
+
 def client_session(url: str, connections: int) -> aiohttp.ClientSession:
     """The benchmark's HTTP client, for a server root such as ``http://127.0.0.1:8000``.
     aiohttp parses responses in C: over a stream of SSE events it takes 44 us of CPU per event
     where httpx takes 108 us, CPU that on a 2-core host comes out of the server under test.
     Runs go on uvloop (``run_event_loop``): against 32 streams of a tidal server the client
     took 37 us per event there and 53 us on asyncio's own loop.
-    A stream may run as long as it likes while data keeps coming (15 minutes between reads)."""
+    A stream may run as long as it likes while data keeps coming (15 minutes between reads).
+    An idle connection is kept for a second only: servers close theirs after a few seconds
+    (llama-server after 5), and a request sent on one the server has closed fails ("Can not
+    write request body"), which lost llama.cpp 5-8 of 32 requests at each scenario's start."""
     if urllib.parse.urlsplit(url).path not in ("", "/"):
         raise ValueError(f"{url}: give the server's root URL, without a path")
     return aiohttp.ClientSession(
         base_url=url.rstrip("/"),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900),
-        connector=aiohttp.TCPConnector(limit=connections))
+        connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S))
 
 
 async def run_workload(url: str, model: str, work: Workload,
