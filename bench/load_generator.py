@@ -57,6 +57,10 @@ Prompt = list[int] | str
 # What one request can fail with: the connection, a line past the reader's limit, a timeout, an
 # event that is not JSON. Each is that request's error, not the run's.
 STREAM_ERRORS = (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, ValueError)
+# A request whose connection failed before anything came back is sent again, up to this many
+# tries in all, as the openai client retries connection errors (its default: two retries).
+SEND_TRIES = 3
+NOT_SENT_ERRORS = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 FLAVORS = ("tidal", "transformers", "vllm", "llamacpp")
 
 
@@ -69,6 +73,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    responded: bool = False  # the server answered (a status line), whatever came after
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -131,52 +136,66 @@ async def one_request(client: aiohttp.ClientSession, model: str, prompt: Prompt,
 
     A stream counts as complete at ``[DONE]``, or at its end once a choice has reported a
     ``finish_reason`` (servers that send no ``[DONE]``). Without usage in the stream, the
-    output token count is the number of chunks with text.
+    output token count is the number of chunks with text. A connection that fails before any
+    response is tried again (``SEND_TRIES``), its time counted in the request's.
     """
     body = request_body(flavor, model, prompt, output_len) | (extra or {})
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    for attempt in range(1, SEND_TRIES + 1):
+        result = RequestResult(ok=False)
+        try:
+            await _stream(client, body, start, result)
+        except NOT_SENT_ERRORS as exc:
+            result.error = repr(exc)
+            if not result.responded and attempt < SEND_TRIES:
+                continue
+        except STREAM_ERRORS as exc:  # this request failed; the run goes on
+            result.error = repr(exc)
+        break
+    result.e2e = time.perf_counter() - start
+    return result
+
+
+async def _stream(client: aiohttp.ClientSession, body: dict[str, Any], start: float,
+                  result: RequestResult) -> None:
+    """``one_request``'s stream into ``result``, raising what the connection raises."""
     last: float | None = None
     finished = False
     chunks = 0
-    try:
-        async with client.post("/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return result
-            async for raw in resp.content:  # one line at a time
-                if not raw.startswith(b"data: "):
-                    continue
-                data = raw[6:].rstrip(b"\r\n")
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                event = orjson.loads(data)
-                if "error" in event:
-                    result.error = _error_text(event["error"])
-                    return result
-                if event.get("usage"):
-                    result.output_tokens = event["usage"].get("completion_tokens", 0)
-                    result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-                choices = event.get("choices") or []
-                finished |= any(c.get("finish_reason") for c in choices)
-                if not any(c.get("text") for c in choices):
-                    continue
-                now = time.perf_counter()
-                chunks += 1
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-        result.ok = finished and last is not None
-        if not result.ok:
-            result.error = "the stream ended without a finish_reason or any text"
-        result.output_tokens = result.output_tokens or chunks
-    except STREAM_ERRORS as exc:  # this request failed; the run goes on
-        result.error = repr(exc)
-    result.e2e = time.perf_counter() - start
-    return result
+    async with client.post("/v1/completions", json=body) as resp:
+        result.responded = True
+        if resp.status != 200:
+            result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+            return
+        async for raw in resp.content:  # one line at a time
+            if not raw.startswith(b"data: "):
+                continue
+            data = raw[6:].rstrip(b"\r\n")
+            if data == b"[DONE]":
+                finished = True
+                break
+            event = orjson.loads(data)
+            if "error" in event:
+                result.error = _error_text(event["error"])
+                return
+            if event.get("usage"):
+                result.output_tokens = event["usage"].get("completion_tokens", 0)
+                result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+            choices = event.get("choices") or []
+            finished |= any(c.get("finish_reason") for c in choices)
+            if not any(c.get("text") for c in choices):
+                continue
+            now = time.perf_counter()
+            chunks += 1
+            if last is None:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+    result.ok = finished and last is not None
+    if not result.ok:
+        result.error = "the stream ended without a finish_reason or any text"
+    result.output_tokens = result.output_tokens or chunks
 
 
 def random_token_prompts(work: Workload) -> list[list[int]]:
@@ -235,25 +254,19 @@ async def run_classes(url: str, model: str, classes: dict[str, RequestClass],
     return report
 
 
-KEEPALIVE_S = 1.0  # how long the client keeps an idle connection (client_session)
-
-
 def client_session(url: str, connections: int) -> aiohttp.ClientSession:
     """The benchmark's HTTP client, for a server root such as ``http://127.0.0.1:8000``.
     aiohttp parses responses in C: over a stream of SSE events it takes 44 us of CPU per event
     where httpx takes 108 us, CPU that on a 2-core host comes out of the server under test.
     Runs go on uvloop (``run_event_loop``): against 32 streams of a tidal server the client
     took 37 us per event there and 53 us on asyncio's own loop.
-    A stream may run as long as it likes while data keeps coming (15 minutes between reads).
-    An idle connection is kept for a second only: servers close theirs after a few seconds
-    (llama-server after 5), and a request sent on one the server has closed fails ("Can not
-    write request body"), which lost llama.cpp 5-8 of 32 requests at each scenario's start."""
+    A stream may run as long as it likes while data keeps coming (15 minutes between reads)."""
     if urllib.parse.urlsplit(url).path not in ("", "/"):
         raise ValueError(f"{url}: give the server's root URL, without a path")
     return aiohttp.ClientSession(
         base_url=url.rstrip("/"),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900),
-        connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S))
+        connector=aiohttp.TCPConnector(limit=connections))
 
 
 async def run_workload(url: str, model: str, work: Workload,
