@@ -108,8 +108,10 @@ torch::Tensor MoeBlock::project(const std::vector<PlannedLinear>& linears,
     }
   }
   const QuantPack& first = *linears[0].quant;
-  torch::Tensor y = dot_linear_groups(rows, packed, params, starts, sizes, first.bits,
-                                      first.group_size, first.out_features);
+  torch::Tensor y = packed.empty()  // none on the dot kernel (which may not take the shape)
+                        ? at::empty({rows.size(0), first.out_features}, rows.options())
+                        : dot_linear_groups(rows, packed, params, starts, sizes, first.bits,
+                                            first.group_size, first.out_features);
   for (const auto& [e, start] : others)
     y.narrow(0, start, counts[e]).copy_(linears[e](rows.narrow(0, start, counts[e])));
   return y;

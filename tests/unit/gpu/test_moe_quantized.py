@@ -30,11 +30,12 @@ from tidal.gpu.random_model import build_model_dir
 E, H, INTER = 8, 64, 32  # experts, hidden, expert intermediate (int4 groups of 32)
 
 
-def _quantized_block(method: str, bias: bool) -> tuple[MoE, torch.Tensor, torch.Tensor]:
+def _quantized_block(method: str, bias: bool, inter: int = INTER
+                     ) -> tuple[MoE, torch.Tensor, torch.Tensor]:
     """A block whose experts are ``method``, and its experts' weights dequantized, stacked."""
     g = torch.Generator().manual_seed(0)
     activation = (lambda rows: clamped_swiglu(rows, 1.0)) if bias else None
-    moe = MoE(H, INTER, E, Routing(2, not bias, softmax_after_topk=bias), bias=bias,
+    moe = MoE(H, inter, E, Routing(2, not bias, softmax_after_topk=bias), bias=bias,
               **({"activation": activation} if bias else {}))
     with torch.no_grad():
         for p in moe.parameters():
@@ -248,6 +249,23 @@ def test_the_compiled_block_follows_each_experts_plan(method, plans):
         with torch.no_grad():
             compiled = moe(x)
             block, moe.block = moe.block, None
+            assert torch.equal(compiled, moe(x))
+            moe.block = block
+
+
+def test_a_compiled_block_of_experts_the_dot_kernel_cannot_take():
+    """int8 experts of 16 inputs (a rank's slice under tensor parallelism): no group the dot
+    kernel takes, so every expert runs its own linear, many rows and one."""
+    moe, _, _ = _quantized_block("int8", bias=False, inter=16)
+    for layer in [*moe.experts.gate_up_proj, *moe.experts.down_proj]:
+        layer.replan(Plan.always(KERNELS))
+    moe.gate = PackedLinear(moe.gate)
+    experts_module.compile_blocks(moe)
+    for tokens in (1, 9):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            compiled = moe(x)
+            moe.block, block = None, moe.block
             assert torch.equal(compiled, moe(x))
             moe.block = block
 
