@@ -16,6 +16,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -155,6 +156,18 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float = 1.702) ->
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """``clamped_swiglu`` at a model's ``limit`` and ``alpha`` (gpt-oss's experts), which the
+    CPU's compiled MoE block takes as they are (``gpu/cpu/csrc/moe_block.cpp``)."""
+
+    limit: float
+    alpha: float = 1.702
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate_up, self.limit, self.alpha)
 
 
 class GeluAndMul(nn.Module):

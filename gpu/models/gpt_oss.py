@@ -17,13 +17,11 @@ float32, a rounding apart in half precision.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from tidal.gpu.attention import AttentionBackend
-from tidal.gpu.layers import clamped_swiglu
+from tidal.gpu.layers import ClampedSwiGLU
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.models.llama import LlamaForCausalLM
 from tidal.gpu.moe import MoE, Routing
@@ -44,7 +42,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         assert cfg.gpt_oss is not None
         routing = Routing(cfg.num_experts_per_tok, renormalize=False, softmax_after_topk=True)
-        activation = functools.partial(clamped_swiglu, limit=cfg.gpt_oss.swiglu_limit,
-                                       alpha=cfg.gpt_oss.swiglu_alpha)
+        activation = ClampedSwiGLU(cfg.gpt_oss.swiglu_limit, cfg.gpt_oss.swiglu_alpha)
         return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, routing,
                    bias=True, activation=activation)

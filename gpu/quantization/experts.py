@@ -14,8 +14,7 @@ Expert biases (gpt-oss's) stay in the model's dtype, added after each expert's G
 
 On the CPU a block whose router and experts all have their C++ ``PlannedLinear`` is given its
 C++ form (``compile_blocks``, ``gpu/cpu/csrc/moe_block.cpp``), which runs the grouped path
-without a Python loop over the experts; gpt-oss's biases, activation and routing keep the
-Python path.
+without a Python loop over the experts, gpt-oss's biases, clamped SwiGLU and routing included.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from torch import nn
 
 from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.cpu.kernels import load_cpu_kernels
-from tidal.gpu.moe import PLAIN, MoE
+from tidal.gpu.layers import ClampedSwiGLU, silu_and_mul
+from tidal.gpu.moe import MoE
 from tidal.gpu.moe_weights import ExpertSlot
 from tidal.gpu.quantization.linear import DOT, QuantLinear, QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows, quantize
@@ -86,20 +86,27 @@ def compile_blocks(model: nn.Module) -> None:
 
 
 def _compiled(moe: MoE) -> object | None:
-    """The C++ ``MoeBlock`` of a block of quantized, plain experts (no biases, SiLU, the
-    softmax before the top-k) whose router and experts all have a ``PlannedLinear``."""
-    experts, kernels = moe.experts, load_cpu_kernels()
-    if (kernels is None or not isinstance(experts, QuantExperts) or moe.extras() is not PLAIN
-            or moe.routing.softmax_after_topk):
+    """The C++ ``MoeBlock`` of a block of quantized experts whose router and experts all have a
+    ``PlannedLinear`` and whose activation it has (SiLU, or gpt-oss's ``ClampedSwiGLU``)."""
+    experts, kernels, act = moe.experts, load_cpu_kernels(), moe.activation
+    if (kernels is None or not isinstance(experts, QuantExperts)
+            or not (act is silu_and_mul or isinstance(act, ClampedSwiGLU) and act.limit > 0)):
         return None
     gate_up = [layer.kernel for layer in experts.gate_up_proj]
     down = [layer.kernel for layer in experts.down_proj]
     router = getattr(moe.gate, "kernel", None)
     if router is None or any(k is None for k in [*gate_up, *down]):
         return None
-    routing = moe.routing
-    return kernels.MoeBlock(router, gate_up, down, routing.top_k, routing.renormalize,
-                            routing.float32_weights)
+    routing, swiglu = moe.routing, act if isinstance(act, ClampedSwiGLU) else None
+    return kernels.MoeBlock(
+        router, gate_up, down, routing.top_k, routing.renormalize, routing.float32_weights,
+        _detached(experts.gate_up_proj_bias), _detached(experts.down_proj_bias),
+        swiglu.limit if swiglu else 0.0, swiglu.alpha if swiglu else 1.702,
+        routing.softmax_after_topk)
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
 
 
 def quantize_experts_on_read(name: str, value: Weight, method: str, group_size: int

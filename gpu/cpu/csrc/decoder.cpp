@@ -49,7 +49,8 @@ class DecodeStack {
                  const PlannedLinear& o, const PlannedLinear& gate_up, const PlannedLinear& down,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a query norm and a key norm, or neither");
-    layers_.push_back(Layer{input_norm, post_norm, qkv, o, {gate_up, down}, nullptr, q_norm, k_norm});
+    layers_.push_back(
+        Layer{input_norm, post_norm, qkv, o, {gate_up, down}, nullptr, q_norm, k_norm});
   }
 
   // A layer whose feed-forward block is a mixture of experts.

@@ -401,8 +401,9 @@ torch::Tensor run_groups(const torch::Tensor& x, const std::vector<torch::Tensor
     TORCH_CHECK(params[g].scalar_type() == at::kHalf && params[g].is_contiguous() &&
                     params[g].numel() == items * item_params,
                 name, ": params of the wrong size");
-    TORCH_CHECK(groups[g].n > 0 && groups[g].in_row >= 0 && groups[g].in_row + groups[g].n <= x.size(0) &&
-                    groups[g].out_row >= 0 && groups[g].out_row + groups[g].n <= y_rows,
+    const Group& grp = groups[g];
+    TORCH_CHECK(grp.n > 0 && grp.in_row >= 0 && grp.in_row + grp.n <= x.size(0) &&
+                    grp.out_row >= 0 && grp.out_row + grp.n <= y_rows,
                 name, ": a group's rows out of range");
     groups[g].w = packed[g].data_ptr<uint8_t>();
     groups[g].params = reinterpret_cast<const uint16_t*>(params[g].data_ptr<at::Half>());
@@ -449,7 +450,8 @@ torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> pac
   TORCH_CHECK(E > 0 && x.dim() == 2 && (x.size(0) == 1 || x.size(0) == E),
               "dot_linear_experts: x must be [1 or experts, in_features]");
   std::vector<Group> groups;
-  for (int64_t e = 0; e < E; ++e) groups.push_back({nullptr, nullptr, x.size(0) == 1 ? 0 : e, e, 1});
+  for (int64_t e = 0; e < E; ++e)
+    groups.push_back({nullptr, nullptr, x.size(0) == 1 ? 0 : e, e, 1});
   return run_groups(x, packed, params, std::move(groups), E, bits, group_size, out_features,
                     "dot_linear_experts");
 }

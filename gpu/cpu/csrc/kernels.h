@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -132,13 +133,25 @@ struct MoeBlock {
   std::vector<PlannedLinear> gate_up, down;  // one per expert
   int64_t top_k;
   bool renormalize, float32_weights;  // gpu/moe.py's Routing
+  c10::optional<torch::Tensor> gate_up_bias, down_bias;  // gpt-oss's, [E, 2I] and [E, H]
+  double swiglu_limit, swiglu_alpha;  // gpt-oss's clamped SwiGLU; limit 0: SiLU(gate) * up
+  bool softmax_after_topk;            // gpt-oss's routing
 
   MoeBlock(PlannedLinear router, std::vector<PlannedLinear> gate_up,
            std::vector<PlannedLinear> down, int64_t top_k, bool renormalize,
-           bool float32_weights);
+           bool float32_weights, c10::optional<torch::Tensor> gate_up_bias,
+           c10::optional<torch::Tensor> down_bias, double swiglu_limit, double swiglu_alpha,
+           bool softmax_after_topk);
   torch::Tensor operator()(const torch::Tensor& x) const;
 
  private:
+  bool plain() const;  // no biases, SiLU
+  torch::Tensor activation(const torch::Tensor& gate_up_rows) const;
+  torch::Tensor biased(const torch::Tensor& y, const c10::optional<torch::Tensor>& bias,
+                       int64_t e) const;
+  torch::Tensor each_expert(
+      const torch::Tensor& rows, const std::vector<int64_t>& counts,
+      const std::function<torch::Tensor(const torch::Tensor&, int64_t)>& f) const;
   torch::Tensor expert(const torch::Tensor& rows, int64_t e) const;
   torch::Tensor lone_row(const torch::Tensor& x, const torch::Tensor& ids) const;
   torch::Tensor grouped(const torch::Tensor& x, const torch::Tensor& ids) const;

@@ -17,7 +17,7 @@ from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import PackedLinear
 from tidal.gpu.cpu.selector import Plan
-from tidal.gpu.layers import clamped_swiglu
+from tidal.gpu.layers import ClampedSwiGLU, clamped_swiglu
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model, read_model
 from tidal.gpu.moe import GATHERED, ExpertExtras, MoE, Routing, moe_reference, route
@@ -34,7 +34,7 @@ def _quantized_block(method: str, bias: bool, inter: int = INTER
                      ) -> tuple[MoE, torch.Tensor, torch.Tensor]:
     """A block whose experts are ``method``, and its experts' weights dequantized, stacked."""
     g = torch.Generator().manual_seed(0)
-    activation = (lambda rows: clamped_swiglu(rows, 1.0)) if bias else None
+    activation = ClampedSwiGLU(1.0) if bias else None
     moe = MoE(H, inter, E, Routing(2, not bias, softmax_after_topk=bias), bias=bias,
               **({"activation": activation} if bias else {}))
     with torch.no_grad():
@@ -204,12 +204,14 @@ def _compiled_blocks(arch: str, method: str, dtype: torch.dtype, tmp_path) -> li
 
 @pytest.mark.skipif(not _dot_built(), reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch,method", [("qwen3_moe", "int4"), ("mixtral", "int8")])
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "int4"), ("mixtral", "int8"),
+                                         ("gpt_oss", "int4")])
 def test_the_compiled_block_is_bitwise_the_python_grouped_path(arch, method, dtype, tmp_path):
     """A CPU load gives each block of quantized experts its C++ form (``compile_blocks``),
     which the block then calls: bit for bit the Python grouped path's output, for a lone row
     (its experts together on the dot kernel, or one by one where a plan says otherwise) and
-    for many (Mixtral's routing weights in float32, Qwen3-MoE's rounded)."""
+    for many (Mixtral's routing weights in float32, Qwen3-MoE's rounded; gpt-oss's biases,
+    clamped SwiGLU and softmax after the top-k)."""
     blocks = _compiled_blocks(arch, method, dtype, tmp_path)
     assert blocks and all(moe.block is not None for moe in blocks)
     g = torch.Generator().manual_seed(0)
@@ -230,13 +232,15 @@ PLANS = {"dot": lambda e: DOT, "kernels": lambda e: KERNELS,
 
 
 @pytest.mark.skipif(not _dot_built(), reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "gpt_oss"])
 @pytest.mark.parametrize("plans", PLANS)
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_the_compiled_block_follows_each_experts_plan(method, plans):
+def test_the_compiled_block_follows_each_experts_plan(method, plans, bias):
     """Experts planned on the dot kernel run in one ``dot_linear_groups`` call per projection
     (a lone row's in one ``dot_linear_experts`` call where all are), the others one call
-    each: bit for bit the Python path, expert by expert, at every row count."""
-    moe, _, _ = _quantized_block(method, bias=False)
+    each: bit for bit the Python path, expert by expert, at every row count; gpt-oss's
+    biases and activation too."""
+    moe, _, _ = _quantized_block(method, bias=bias)
     for e, (gate_up, down) in enumerate(zip(moe.experts.gate_up_proj, moe.experts.down_proj)):
         gate_up.replan(Plan.always(PLANS[plans](e)))
         down.replan(Plan.always(PLANS[plans](e)))
@@ -270,12 +274,19 @@ def test_a_compiled_block_of_experts_the_dot_kernel_cannot_take():
             moe.block = block
 
 
-def test_only_plain_quantized_experts_are_compiled():
-    """gpt-oss's experts (biases, its activation and routing) and float experts keep the
-    Python path; so does a block whose router has no C++ linear."""
-    gpt_oss, _, _ = _quantized_block("int8", bias=True)
+def test_blocks_the_compiled_form_cannot_run_keep_the_python_path():
+    """Float experts, a router without a C++ linear, and an activation the C++ block does not
+    have keep the Python path."""
     plain, _, _ = _quantized_block("int8", bias=False)  # its router an nn.Linear
     floats = MoE(H, INTER, E, Routing(2, True))
-    for moe in (gpt_oss, plain, floats):
+    other, _, _ = _quantized_block("int8", bias=True)
+    other.activation = lambda rows: clamped_swiglu(rows, 1.0)
+    other.gate = PackedLinear(other.gate)
+    for layer in [*other.experts.gate_up_proj, *other.experts.down_proj]:
+        layer.replan(Plan.always(KERNELS))
+    for moe in (plain, floats, other):
         experts_module.compile_blocks(moe)
         assert moe.block is None
+    other.activation = ClampedSwiGLU(1.0)
+    experts_module.compile_blocks(other)
+    assert other.block is not None
