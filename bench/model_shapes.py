@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,6 +79,22 @@ BENCH_SHAPES: dict[str, dict] = {
         tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
         rms_norm_eps=1e-6),
 }
+# gpt-oss-20b's own config (hidden 2880, 32 experts of width 2880, 4 a token, softmax after
+# the top-k; 64 query and 8 KV heads of 64, sliding and full layers alternating, sinks; untied
+# head over 201,088 tokens) with 4 of its 24 layers, its experts in MXFP4 as published
+# (``MXFP4_SHAPES``): 4.5B parameters, 1.7 GB of experts and 2.5 GB of bfloat16 besides.
+BENCH_SHAPES["gpt-oss-20b"] = dict(
+    model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+    num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, vocab_size=201088, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=True,
+    swiglu_limit=7.0, tie_word_embeddings=False, rope_theta=150000.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "original_max_position_embeddings": 4096, "truncate": False})
+# Shapes whose experts are written as MXFP4 blocks and scales (``quant_method`` ``mxfp4``)
+MXFP4_SHAPES = {"gpt-oss-20b"}
+_MXFP4_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 SHARD_BYTES = 1 << 30  # a checkpoint shard's size, as hub checkpoints split them
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=1024)
@@ -120,6 +137,12 @@ def build_shaped_model_dir(path: str | Path, name: str, tiny: bool = False,
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = {name: p.shape for name, p in skeleton.state_dict().items()
               if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    if name in MXFP4_SHAPES:
+        shapes = mxfp4_expert_shapes(shapes)
+        config.quantization_config = {"quant_method": "mxfp4",
+                                      "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                 "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}
     _save_shards(path, shapes, lambda n, s: _random_weight(n, s, dtype, device, gen))
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(path)
@@ -156,8 +179,28 @@ def _save_shards(path: Path, shapes: dict[str, torch.Size],
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def mxfp4_expert_shapes(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """The stacked experts (HF's ``[E, in, out]``) as MXFP4's ``_blocks`` ``[E, out, in / 32,
+    16]`` and ``_scales`` ``[E, out, in / 32]``."""
+    out: dict[str, torch.Size] = {}
+    for name, shape in shapes.items():
+        if not _MXFP4_EXPERTS.search(name):
+            out[name] = shape
+            continue
+        experts, inputs, outputs = shape
+        out[name + "_blocks"] = torch.Size((experts, outputs, inputs // 32, 16))
+        out[name + "_scales"] = torch.Size((experts, outputs, inputs // 32))
+    return out
+
+
 def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, device: str,
                    gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("_blocks"):  # MXFP4 codes, any of the 16
+        return torch.randint(0, 256, shape, generator=gen, device=device,
+                             dtype=torch.uint8).cpu()
+    if name.endswith("_scales"):  # scales 2^-9 .. 2^-6: values of about 0.02, as above
+        return torch.randint(118, 122, shape, generator=gen, device=device,
+                             dtype=torch.uint8).cpu()
     if "norm" in name:
         return torch.ones(shape, dtype=dtype)
     t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)

@@ -13,7 +13,11 @@ import torch
 from torch import nn
 
 from tidal.gpu.attention import AttentionBackend
-from tidal.gpu.checkpoints import checkpoint_weights, linears_arrive_quantized
+from tidal.gpu.checkpoints import (
+    checkpoint_weights,
+    experts_arrive_quantized,
+    linears_arrive_quantized,
+)
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.backend import CpuBackend, prepare_for_cpu
 from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES, can_pack
@@ -103,7 +107,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     cache = options.plan_cache if options.plan_cache is not None else (
         PlanCache() if timed else None)
     planner = None
-    if options.quantization is not None:
+    if options.quantization is not None or experts_arrive_quantized(model_dir):
         planner = (lambda nbytes: QuantPlanner(options.max_rows, cache if timed else None,
                                                nbytes > TWO_LAYOUTS_MAX_BYTES))
     model = read_model(model_dir, cfg, options, planner)
@@ -121,21 +125,24 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions,
     pipeline stage reads its layers' weights only.
     With ``quantization``, the output head becomes int8 with one scale per row, which a tied
     embedding shares, and an untied embedding is int8 per row too
-    (``gpu/quantization/head.py``). ``planner``, given the bytes the model's quantized weights
-    will take, plans the experts as each layer's are read."""
+    (``gpu/quantization/head.py``). Experts stay quantized under ``quantization`` and where
+    they arrive so (MXFP4's). ``planner``, given the bytes the model's quantized weights will
+    take, plans the experts as each layer's are read."""
     quantization, dtype, device = options.quantization, options.dtype, options.device
+    keep_experts = quantization is not None or experts_arrive_quantized(model_dir)
     with torch.device("meta"), _uninitialized_layers():
         model = MODELS[cfg.architecture](cfg, options.backend, options.max_positions)
         if cfg.num_labels:  # a sequence classifier's head, applied by the pooler
             model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
     weights = checkpoint_layout(cfg.architecture, checkpoint_weights(model_dir))
     experts_planner = None
-    if quantization is not None and planner is not None:
+    if keep_experts and planner is not None:
         experts_planner = planner(quantized_bytes(model, quantization, options.group_size))
     if quantization is not None or linears_arrive_quantized(model_dir):
         leave_unallocated(model)
-    if quantization is not None:
+    if keep_experts:
         leave_experts_unallocated(model)
+    if quantization is not None:
         leave_vocab_unallocated(model)
     if quantization is not None:
         weights = quantize_on_read(weights, quantization, options.group_size)
@@ -148,8 +155,8 @@ def read_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions,
     _reset_rotary_tables(model, device)
     _load_weights(model, model.local_config, weights, dtype, str(model_dir),
                   quantized=quantization is not None, planner=experts_planner,
-                  reuse=options.reuse)
-    if quantization is not None:
+                  reuse=options.reuse, keep_experts=keep_experts)
+    if keep_experts:
         log_quantized(model, quantization, options.group_size)
     return model.eval()
 
@@ -184,9 +191,10 @@ def _no_initialization(_layer: nn.Module) -> None:
 
 def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[str, Weight]],
                   dtype: torch.dtype, source: str, quantized: bool = False,
-                  planner: QuantPlanner | None = None, reuse: nn.Module | None = None) -> None:
+                  planner: QuantPlanner | None = None, reuse: nn.Module | None = None,
+                  keep_experts: bool = False) -> None:
     """``quantized`` (``--quantization``): the output head and embedding int8 per row (or
-    ``reuse``'s), and the experts, quantized as read, kept so
+    ``reuse``'s). ``keep_experts``: the experts, quantized as read (or read so), kept so
     (``gpu/quantization/experts.py``), and planned and packed as each layer's are read where
     a ``planner`` is given."""
     params = dict(model.named_parameters())
@@ -198,7 +206,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
     for name, value in weights:
         slot = expert_slot(name)  # a MoE's per-expert weight (gpu/moe_weights.py)
         if slot is not None and slot.target in params:
-            if quantized and isinstance(value, QuantizedWeight):
+            if keep_experts and isinstance(value, QuantizedWeight):
                 experts.take(slot, value.to(device))
             else:
                 slot.copy_into(params[slot.target], value.to(device))
@@ -210,6 +218,10 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
                 logger.debug("skipping weight %s", name)
             continue
         value = value.to(device)  # quantized weights, which no parameter's copy_ moves
+        if target == "embed_tokens.weight" and _in_place(value, model.embed_tokens, dtype, cfg):
+            model.embed_tokens.weight = nn.Parameter(value, requires_grad=False)
+            loaded.add(target)
+            continue
         if tied_head and target == "embed_tokens.weight":
             install_tied_head(model, _int8_rows(value, reuse, "lm_head"), dtype)
             loaded.add(target)
@@ -243,6 +255,18 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"weights missing from {source}: {sorted(missing)[:5]}")
+
+
+def _in_place(value: Weight, embedding: nn.Module, dtype: torch.dtype, cfg: ModelConfig) -> bool:
+    """Whether an untied embedding is used as read: a float tensor in the model's dtype and
+    the layer's shape (under ``--quantization`` too). On the CPU that is the checkpoint's
+    memory map (safetensors' tensors, a GGUF's float ones), of which only the rows looked up
+    become resident, as with llama.cpp's mapped files: the rest of a large vocabulary's
+    embedding (a gigabyte for gpt-oss's) stays on disk. A tied embedding is the output head,
+    read whole every step."""
+    shape = (embedding.num_embeddings, embedding.embedding_dim)
+    return (not cfg.tie_word_embeddings and isinstance(value, torch.Tensor)
+            and value.dtype == dtype and value.is_contiguous() and tuple(value.shape) == shape)
 
 
 def _int8_rows(value: Weight, reuse: nn.Module | None, layer: str) -> QuantizedWeight:

@@ -12,12 +12,13 @@ Checkpoints hold experts in one of two forms, and both load:
 gpt-oss's checkpoints hold its experts as HF does in memory, transposed and interleaved:
 ``mlp.experts.gate_up_proj`` ``[E, H, 2*I]`` with the gate and up columns alternating (its bias
 ``[E, 2*I]`` too), ``mlp.experts.down_proj`` ``[E, I, H]``, and the router as ``mlp.router``
-(MXFP4 checkpoints are read into the same form, ``gpu/checkpoints/mxfp4.py``).
+(an MXFP4 checkpoint's biases and router too; its experts come per expert, below).
 ``gpt_oss_layout`` puts them in the MoE block's ``[E, out, in]`` gate-then-up layout.
 
 Quantized expert weights (a GGUF's, a quantized checkpoint's) are dequantized into the model's
 dtype, except under ``--quantization``, which keeps every expert quantized
-(``gpu/quantization/experts.py``).
+(``gpu/quantization/experts.py``), and an MXFP4 checkpoint's, which stay in MXFP4 (read one
+expert at a time under the per-expert names, ``gpu/checkpoints/mxfp4.py``).
 """
 
 from __future__ import annotations

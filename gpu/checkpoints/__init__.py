@@ -28,6 +28,16 @@ def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:
     return iter_safetensors(model_dir)
 
 
+def experts_arrive_quantized(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's MoE experts are read as quantized weights to be kept so
+    without ``--quantization`` (an MXFP4 checkpoint's, ``mxfp4.py``)."""
+    if is_gguf_file(model_dir):
+        return False
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method", "")
+    return str(method).lower() == "mxfp4"
+
+
 def linears_arrive_quantized(model_dir: str | Path) -> bool:
     """Whether every decoder-layer linear weight of the checkpoint is read quantized, so the
     model need not allocate float ones (a 3B model's would take 12 GB in float32)."""

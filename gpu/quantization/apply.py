@@ -58,12 +58,13 @@ def leave_unallocated(model: nn.Module) -> None:
         getattr(parent, name).weight = nn.Parameter(torch.empty(0, device="meta"))
 
 
-def quantized_bytes(model: nn.Module, method: str, group_size: int) -> int:
+def quantized_bytes(model: nn.Module, method: str | None, group_size: int) -> int:
     """The bytes the decoder linears' and experts' weights of ``model`` (still on the meta
-    device, its float weights in place) will take once quantized by ``method``: what decides,
-    before any is read, whether the model keeps one layout per weight."""
-    shapes = [tuple(getattr(parent, name).weight.shape)
-              for parent, name in quantizable_linears(model)]
+    device, its float weights in place) will take once quantized by ``method`` (None: the
+    experts only, as they arrive in MXFP4): what decides, before any is read, whether the
+    model keeps one layout per weight."""
+    shapes = [] if method is None else [tuple(getattr(parent, name).weight.shape)
+                                        for parent, name in quantizable_linears(model)]
     for moe in model.modules():
         if isinstance(moe, MoE):
             shapes += [tuple(p.shape[1:]) for p in (moe.experts.gate_up_proj,
@@ -72,10 +73,13 @@ def quantized_bytes(model: nn.Module, method: str, group_size: int) -> int:
     return sum(_nbytes(n, k, method, group_size) for n, k in shapes)
 
 
-def _nbytes(out: int, inp: int, method: str, group_size: int) -> int:
-    """``QuantizedWeight.nbytes`` of an ``[out, inp]`` weight quantized by ``method``."""
+def _nbytes(out: int, inp: int, method: str | None, group_size: int) -> int:
+    """``QuantizedWeight.nbytes`` of an ``[out, inp]`` weight quantized by ``method`` (None:
+    MXFP4, a scale byte per 32 values)."""
     if method == "int8":  # one float32 scale per row
         return out * inp + out * 4
+    if method is None:
+        return out * inp // 2 + out * (inp // 32)
     return out * inp // 2 + out * (inp // group_size) * 2 * 4  # a scale and an offset a group
 
 
@@ -106,8 +110,20 @@ def _quantizable(name: str) -> bool:
     return parts[-2] in CHECKPOINT_LINEARS or (slot is not None and slot.expert is not None)
 
 
-def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+def log_quantized(model: nn.Module, method: str | None, group_size: int) -> None:
+    """What ``--quantization`` (``method``; None: none) quantized, and the experts read in
+    MXFP4 and kept so."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    kept = [m for m in quantized if m.codebook]
+    if kept:
+        logger.info("kept %d experts' linears in MXFP4, as read: %.1f MB", len(kept),
+                    sum(m.format_nbytes for m in kept) / 1e6)
+    if method is not None:
+        _log_method(model, [m for m in quantized if not m.codebook], method, group_size)
+
+
+def _log_method(model: nn.Module, layers: list[QuantLinear], method: str,
+                group_size: int) -> None:
     size = sum(m.format_nbytes for m in layers)
     how = f"groups of {group_size}" if method == "int4" else "per output channel"
     head = model.lm_head
@@ -115,9 +131,11 @@ def log_quantized(model: nn.Module, method: str, group_size: int) -> None:
     if isinstance(embed, QuantEmbedding) and embed.weight_format is getattr(
             head, "weight_format", None):
         rest = f"the tied embedding and output head are one int8 weight (per row): {_mb(head)}"
-    else:
+    elif isinstance(embed, QuantEmbedding):
         rest = (f"the output head and the embedding are int8 (per row): "
                 f"{_mb(head)} and {_mb(embed)}")
+    else:
+        rest = f"the output head is int8 (per row): {_mb(head)}; the embedding is as read"
     logger.info("quantized %d decoder linears to %s (%s): %.1f MB; %s", len(layers), method,
                 how, size / 1e6, rest)
 

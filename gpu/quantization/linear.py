@@ -12,7 +12,9 @@ bucket, as it does for float linears:
   rounded to int8 in blocks of 32 inputs with a scale each (as llama.cpp's activations), and
   multiplied by the weight's integers with byte dot products (VNNI, or AVX2's pairs). Its
   result is the weight times the rounded rows, so it is checked against that, and the models
-  it serves against the fidelity bounds of ``--quantization``; scales and offsets in float16;
+  it serves against the fidelity bounds of ``--quantization``; scales and offsets in float16.
+  The one method that reads a codebook weight (MXFP4) as it is: nibbles to the codebook's
+  integers by a table shuffle, scales as their exponents;
 - ``aten``: torch's own fused ops, which dequantize inside the GEMM: ``_weight_int8pack_mm``
   (int8 with one scale per output channel) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups
   of 32 to 256 with a scale and a zero point);
@@ -60,7 +62,11 @@ TIMED_MAX_OUT_FEATURES = 8192
 
 def candidate_methods(weight: QuantizedWeight, device: torch.device,
                       dtype: torch.dtype = torch.float32) -> list[str]:
-    """The methods that can multiply by ``weight`` on ``device`` for activations of ``dtype``."""
+    """The methods that can multiply by ``weight`` on ``device`` for activations of ``dtype``
+    (for a codebook weight the dot kernel, the one that reads it as it is, and torch's path)."""
+    if weight.codebook is not None:
+        dot = device.type == "cpu" and dtype in KERNEL_DTYPES and _dot_fits(weight)
+        return [DOT, TORCH] if dot else [TORCH]
     methods = []
     if device.type == "cpu" and dtype in KERNEL_DTYPES and _tidal_fits(weight):
         methods.append(KERNELS)
@@ -88,10 +94,13 @@ def _tidal_fits(w: QuantizedWeight) -> bool:
 
 def _dot_fits(w: QuantizedWeight) -> bool:
     """The dot kernel is built (x86 with AVX2), takes the groups, and the scales and offsets
-    are float16 numbers (none too large; none so small that float16 loses their digits)."""
+    are float16 numbers (none too large; none so small that float16 loses their digits); a
+    codebook weight's scales are powers of two it keeps as exponent bytes."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.dot_linear_supports(w.bits, w.group_size, w.shape[1]):
         return False
+    if w.codebook is not None:
+        return _exponent_bytes(w.scales) is not None
     for t in (w.scales, w.offsets):
         if t is None:
             continue
@@ -99,6 +108,17 @@ def _dot_fits(w: QuantizedWeight) -> bool:
         if a.max() > FLOAT16_MAX or ((a > 0) & (a < torch.finfo(torch.float16).tiny)).any():
             return False
     return True
+
+
+def _exponent_bytes(scales: torch.Tensor) -> torch.Tensor | None:
+    """Power-of-two scales as the dot kernel's bytes ``b`` (``2 ** (b - 127)``; scales below
+    ``2 ** -126`` as 0, which it reads as 0); None where a scale is no power of two or is too
+    large."""
+    mantissa, exponent = torch.frexp(scales.float())  # scale = mantissa * 2 ** exponent
+    b = exponent.to(torch.int32) + 126
+    if not bool(((mantissa == 0.5) | (scales == 0)).all()) or int(b.max()) > 254:
+        return None
+    return torch.where((scales == 0) | (b < 1), 0, b).to(torch.uint8)
 
 
 def _aten_fits(w: QuantizedWeight) -> bool:
@@ -150,7 +170,7 @@ class QuantPacks:
         the kernels."""
         if self.kernels is None:
             return None
-        w = self.format
+        w = None if self.format is None else self.format.expanded()  # C++ dequantizes int8
         pack = self.kernels.QuantPack(
             self.bits, self.group_size, self.out_features,
             *(self.tidal or (None, None)), *(self.aten or (None, None)),
@@ -209,7 +229,8 @@ def pack_for_dot(w: QuantizedWeight, rows: int, int8_bias: int
     holds four consecutive inputs of each of the ``rows`` rows: int8 as ``q + int8_bias``
     (128 where the build multiplies unsigned weights, VNNI's, else 0); 4-bit values two to a
     byte, the high nibbles the four inputs after the low ones'. The last item is padded with
-    zero rows."""
+    zero rows. A codebook weight's params are bytes: its codebook, then each item's groups'
+    scale exponents (``_exponent_bytes``)."""
     n, k = w.shape
     items = -(-n // rows)
     pad = items * rows - n
@@ -224,6 +245,9 @@ def pack_for_dot(w: QuantizedWeight, rows: int, int8_bias: int
         q = padded(w.q).view(items, rows, k // 8, 2, 4)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
     packed = q.permute(0, 2, 1, 3).contiguous().view(-1)
+    if w.codebook is not None:
+        exponents = padded(_exponent_bytes(w.scales)).view(items, rows, -1).transpose(1, 2)
+        return packed, torch.cat([w.codebook.view(torch.uint8), exponents.reshape(-1)])
     parts = [w.scales] if w.offsets is None else [w.scales, w.offsets]
     params = torch.stack([padded(t.float()).view(items, rows, -1).transpose(1, 2)
                           for t in parts], dim=2)
@@ -248,8 +272,12 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32, plan: Plan | None = None) -> None:
         super().__init__()
+        if weight.codebook is not None and DOT not in candidate_methods(
+                weight, weight.q.device, dtype):
+            weight = weight.expanded()  # the int8 weight it equals, which every path reads
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
+        self.codebook = weight.codebook is not None
         self.dtype = dtype
         # The weight's own form, until a plan packs it (``replan``); kept after only where the
         # plan runs torch's path, which dequantizes from it.
@@ -268,6 +296,8 @@ class QuantLinear(nn.Module):
 
     @property
     def format_name(self) -> str:
+        if self.codebook:
+            return f"mxfp4g{self.group_size}"
         per_channel = self.group_size == self.in_features
         return f"int{self.bits}" + ("" if per_channel else f"g{self.group_size}")
 

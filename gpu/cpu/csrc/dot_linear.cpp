@@ -17,6 +17,13 @@
 // q itself); a 4-bit one K / 8, the low nibbles inputs k..k+3 and the high
 // ones k+4..k+7. params: each item's groups in turn, kR scales then (if any) kR offsets, as
 // float16.
+//
+// A codebook weight (MXFP4's: a 4-bit value indexes 16 small integers, each group of inputs has
+// a power-of-two scale) is packed as 4-bit values, and its params are bytes: the codebook's 16
+// int8 values, then each item's groups' kR scale exponents b (the scale 2^(b - 127); b = 0 reads
+// as 0). A table shuffle turns each nibble into its entry minus the codebook's least, an
+// unsigned byte the 4-bit path multiplies as it does int4's; the least comes back as an offset
+// of least * scale, as int4's minimum does.
 
 #pragma GCC optimize("fp-contract=fast")
 
@@ -36,6 +43,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // inputs of x sharing one scale
+constexpr int64_t kCodebook = 16;  // a codebook weight's entries (its params' first bytes)
+constexpr int kCodebookRange = 32;  // the most its entries may span (int16 sums, no VNNI)
 
 }  // namespace
 
@@ -78,6 +87,16 @@ inline ivec add_nibble_pairs(ivec acc16, ivec u0, ivec s0, ivec u1, ivec s1) {  
                                                   _mm512_maddubs_epi16(u1, s1)));
 }
 inline ivec widen_pairs(ivec acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
+inline ivec add_i32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec load_table(const uint8_t* p) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline ivec lookup(ivec table, ivec nibbles) { return _mm512_shuffle_epi8(table, nibbles); }
+inline fvec load_exponent_scales(const uint8_t* p) {  // kR bytes b -> 2^(b - 127) as floats
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+}
+inline fvec mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 #if defined(__AVX512VNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -124,6 +143,16 @@ inline ivec add_nibble_pairs(ivec acc16, ivec u0, ivec s0, ivec u1, ivec s1) {  
                                                   _mm256_maddubs_epi16(u1, s1)));
 }
 inline ivec widen_pairs(ivec acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+inline ivec add_i32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec load_table(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline ivec lookup(ivec table, ivec nibbles) { return _mm256_shuffle_epi8(table, nibbles); }
+inline fvec load_exponent_scales(const uint8_t* p) {  // kR bytes b -> 2^(b - 127) as floats
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(b, 23));
+}
+inline fvec mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
 #if defined(__AVXVNNI__)
 #define TIDAL_VNNI 1
 inline ivec dot_unsigned(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -140,7 +169,8 @@ inline ivec dot_signed(ivec acc, ivec q, ivec s) {
 // would overflow on 255 * 127, so |q| is the unsigned side and q's sign goes onto x.
 // A 4-bit register's two halves (u0, u1 < 16) against two broadcasts of x: without VNNI, their
 // vpmaddubsw pairs (at most 2 * 15 * 127 each) are summed in int16 over a block's kRegs
-// registers (4 * 2 * 3,810 = 30,480, inside int16) and widened to int32 once a block.
+// registers (4 * 2 * 3,810 = 30,480, inside int16) and widened to int32 once a block; a
+// codebook's entries (up to kCodebookRange above its least) every two registers instead.
 #if defined(TIDAL_VNNI)
 constexpr int64_t kInt8Bias = 128;
 inline ivec dot_int8(ivec acc, ivec w, ivec s) { return dot_unsigned(acc, w, s); }
@@ -212,9 +242,13 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int64_t group_size,
   }
 }
 
+// How a weight's bytes hold its values: int8, 4-bit integers, or 4-bit codebook indices.
+enum class Format { kInt8, kNibbles, kCodes };
+
 struct Item {
   const uint8_t* w;         // this item's registers of bytes
-  const uint16_t* params;   // this item's groups' scales (and offsets), float16
+  const uint16_t* params;   // this item's groups' scales (and offsets), float16 (kCodes: unset)
+  const uint8_t* exponents; // kCodes: this item's groups' scale exponents
   const uint8_t* next;      // the next item's bytes, to prefetch (nullptr: none)
   float* y;                 // y's row of this tile's first x row, at this item's first column
   int64_t cols;             // output columns this item writes (<= kR)
@@ -224,23 +258,40 @@ struct Item {
 struct Shape {
   int64_t K, blocks, groups, group_blocks, ldy;
   bool offsets;
+  const uint8_t* table = nullptr;  // kCodes: each entry minus the least, kCodebook bytes
+  float least = 0.f;               // kCodes: the codebook's least entry
 };
 
-template <int M, bool kFour>
+// A weight's group scales (s) and offsets (o) for kR output rows.
+template <Format F>
+inline void group_params(const Shape& sh, const Item& t, int64_t g, fvec& s, fvec& o) {
+  if constexpr (F == Format::kCodes) {
+    s = load_exponent_scales(t.exponents + g * kR);
+    o = mul(s, splat(sh.least));
+    return;
+  }
+  const uint16_t* p = t.params + g * (sh.offsets ? 2 : 1) * kR;
+  s = load_half(p);
+  o = sh.offsets ? load_half(p + kR) : fzero();
+  if constexpr (F == Format::kInt8 && kInt8Bias != 0) o = fma(s, splat(-float(kInt8Bias)), o);
+}
+
+template <int M, Format F>
 void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* xsums,
           const Item& t) {
+  constexpr bool kFour = F != Format::kInt8;
   constexpr int kRegs = kFour ? 4 : 8;  // registers of weight bytes per block of x
   fvec acc[M];
   for (int m = 0; m < M; ++m) acc[m] = fzero();
+  const ivec table = F == Format::kCodes ? load_table(sh.table) : izero();
   const uint8_t* w = t.w;
-  const uint16_t* p = t.params;
   const char* ahead = reinterpret_cast<const char*>(t.next);
-  for (int64_t g = 0; g < sh.groups; ++g, p += (sh.offsets ? 2 : 1) * kR) {
+  for (int64_t g = 0; g < sh.groups; ++g) {
     fvec group[M];
     for (int m = 0; m < M; ++m) group[m] = fzero();
     for (int64_t b = g * sh.group_blocks; b < (g + 1) * sh.group_blocks; ++b) {
-      ivec sums[M];
-      for (int m = 0; m < M; ++m) sums[m] = izero();
+      ivec sums[M], wide[M];
+      for (int m = 0; m < M; ++m) sums[m] = wide[m] = izero();
       const int8_t* xb = xq + b * kBlock;
 #pragma GCC unroll 8
       for (int j = 0; j < kRegs; ++j, w += sizeof(ivec)) {
@@ -248,11 +299,17 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
           __builtin_prefetch(ahead + (w - t.w), 0, 2);
         const ivec v = load_bytes(w);
         if constexpr (kFour) {
-          const ivec lo = low_nibbles(v), hi = high_nibbles(v);
+          ivec lo = low_nibbles(v), hi = high_nibbles(v);
+          if constexpr (F == Format::kCodes) lo = lookup(table, lo), hi = lookup(table, hi);
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m)
             sums[m] = dot_nibbles(sums[m], lo, splat4(xb + m * sh.K + 8 * j), hi,
                                   splat4(xb + m * sh.K + 8 * j + 4));
+#if !defined(TIDAL_VNNI)
+          if (F == Format::kCodes && j % 2 == 1)  // int16 pairs widened every two registers
+            for (int m = 0; m < M; ++m) wide[m] = add_i32(wide[m], widen_pairs(sums[m])),
+                                        sums[m] = izero();
+#endif
         } else {
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) sums[m] = dot_int8(sums[m], v, splat4(xb + m * sh.K + 4 * j));
@@ -260,14 +317,14 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
       }
       for (int m = 0; m < M; ++m) {
 #if !defined(TIDAL_VNNI)
-        if constexpr (kFour) sums[m] = widen_pairs(sums[m]);  // int16 pairs until here
+        if constexpr (F == Format::kNibbles) sums[m] = widen_pairs(sums[m]);  // int16 pairs
+        if constexpr (F == Format::kCodes) sums[m] = wide[m];
 #endif
         group[m] = fma(to_float(sums[m]), splat(xscale[m * sh.blocks + b]), group[m]);
       }
     }
-    const fvec s = load_half(p);
-    fvec o = sh.offsets ? load_half(p + kR) : fzero();
-    if constexpr (!kFour && kInt8Bias != 0) o = fma(s, splat(-float(kInt8Bias)), o);
+    fvec s, o;
+    group_params<F>(sh, t, g, s, o);
     for (int m = 0; m < M; ++m) {
       acc[m] = fma(group[m], s, acc[m]);
       acc[m] = fma(o, splat(xsums[m * sh.groups + g]), acc[m]);
@@ -281,19 +338,81 @@ void tile(const Shape& sh, const int8_t* xq, const float* xscale, const float* x
   }
 }
 
-template <bool kFour>
+template <Format F>
 void run_tile(int64_t rows, const Shape& sh, const int8_t* xq, const float* xscale,
               const float* xsums, const Item& t) {
   switch (rows) {
-    case 1: return tile<1, kFour>(sh, xq, xscale, xsums, t);
+    case 1: return tile<1, F>(sh, xq, xscale, xsums, t);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    case 2: return tile<2, kFour>(sh, xq, xscale, xsums, t);
-    case 3: return tile<3, kFour>(sh, xq, xscale, xsums, t);
-    default: return tile<4, kFour>(sh, xq, xscale, xsums, t);
+    case 2: return tile<2, F>(sh, xq, xscale, xsums, t);
+    case 3: return tile<3, F>(sh, xq, xscale, xsums, t);
+    default: return tile<4, F>(sh, xq, xscale, xsums, t);
 #else
-    default: return tile<2, kFour>(sh, xq, xscale, xsums, t);
+    default: return tile<2, F>(sh, xq, xscale, xsums, t);
 #endif
   }
+}
+
+// Rows row.. row + n of x's quantized rows times item t, kXRows at a time, into t.y's rows.
+void run_rows(Format f, const Shape& sh, const QuantizedRows& xq, int64_t row, int64_t n,
+              Item t, int64_t ldy) {
+  float* y = t.y;
+  for (int64_t m = 0; m < n; m += kXRows) {
+    const int64_t r = row + m, rows = std::min<int64_t>(kXRows, n - m);
+    const int8_t* q = xq.q.data() + r * sh.K;
+    const float* scale = xq.scale.data() + r * sh.blocks;
+    const float* sums = xq.sums.data() + r * sh.groups;
+    t.y = y + m * ldy;
+    if (f == Format::kInt8) run_tile<Format::kInt8>(rows, sh, q, scale, sums, t);
+    else if (f == Format::kNibbles) run_tile<Format::kNibbles>(rows, sh, q, scale, sums, t);
+    else run_tile<Format::kCodes>(rows, sh, q, scale, sums, t);
+  }
+}
+
+// A weight's params, checked: float16 scales (and offsets), or a codebook weight's bytes (whose
+// codebook, turned into the table, goes into sh). Returns the format its values are in.
+struct Params {
+  Format format;
+  const uint16_t* halves = nullptr;   // float16 params
+  const uint8_t* exponents = nullptr; // a codebook weight's, after its codebook
+  int64_t per_item;                   // params (halves or exponents) an item
+};
+
+Params check_params(const torch::Tensor& params, int64_t bits, int64_t items, int64_t groups,
+                    Shape& sh, uint8_t* table, const char* name) {
+  const int64_t per_item = groups * kR;
+  if (params.scalar_type() == at::kByte) {
+    TORCH_CHECK(bits == 4 && params.is_contiguous() &&
+                    params.numel() == kCodebook + items * per_item,
+                name, ": a codebook weight's params must be its 4-bit values' codebook and "
+                "scale exponents");
+    const int8_t* codes = reinterpret_cast<const int8_t*>(params.data_ptr<uint8_t>());
+    const int8_t least = *std::min_element(codes, codes + kCodebook);
+    const int8_t most = *std::max_element(codes, codes + kCodebook);
+    TORCH_CHECK(most - least <= kCodebookRange, name, ": a codebook may span at most ",
+                kCodebookRange);
+    for (int i = 0; i < kCodebook; ++i) table[i] = static_cast<uint8_t>(codes[i] - least);
+    sh.table = table;
+    sh.least = least;
+    sh.offsets = false;
+    return {Format::kCodes, nullptr, params.data_ptr<uint8_t>() + kCodebook, per_item};
+  }
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() &&
+                  (params.numel() == items * per_item || params.numel() == 2 * items * per_item),
+              name, ": params of the wrong size");
+  sh.offsets = params.numel() == 2 * items * per_item;
+  return {bits == 4 ? Format::kNibbles : Format::kInt8,
+          reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>()), nullptr,
+          per_item * (sh.offsets ? 2 : 1)};
+}
+
+// Item i of a weight whose params are pr.
+Item item_of(const uint8_t* w, const Params& pr, int64_t i, int64_t item_bytes,
+             const uint8_t* next, int64_t cols, const float* bias) {
+  return {w + i * item_bytes,
+          pr.halves == nullptr ? nullptr : pr.halves + i * pr.per_item,
+          pr.exponents == nullptr ? nullptr : pr.exponents + i * pr.per_item,
+          next, nullptr, cols, bias};
 }
 
 }  // namespace
@@ -322,11 +441,10 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == items * kR * K * bits / 8,
               "dot_linear: packed weight of the wrong size");
-  const int64_t groups = K / group_size, per_item = groups * kR;
-  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() &&
-                  (params.numel() == items * per_item || params.numel() == 2 * items * per_item),
-              "dot_linear: params of the wrong size");
-  const bool offsets = params.numel() == 2 * items * per_item;
+  const int64_t groups = K / group_size;
+  Shape sh{K, K / kBlock, groups, group_size / kBlock, out_features, false};
+  uint8_t table[kCodebook];
+  const Params pr = check_params(params, bits, items, groups, sh, table, "dot_linear");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features &&
@@ -334,10 +452,8 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
     b = bias->data_ptr<float>();
   }
   torch::Tensor y = torch::empty({M, out_features}, x.options());
-  const Shape sh{K, K / kBlock, groups, group_size / kBlock, out_features, offsets};
-  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
+  const int64_t item_bytes = K * bits / 8 * kR;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const uint16_t* pr = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
   const float* xs = x.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   QuantizedRows xq;
@@ -346,19 +462,10 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor pa
     quantize_rows(xs + m0 * K, rows, K, group_size, xq);
     tidal::parallel_items(items, [&](tidal::ItemSource& source) {
       for (int64_t i = source.next(); i >= 0; i = source.next()) {
-        Item t{w + i * item_bytes, pr + i * item_params,
-               i + 1 < items ? w + (i + 1) * item_bytes : nullptr, nullptr,
-               std::min(kR, out_features - i * kR), b == nullptr ? nullptr : b + i * kR};
-        for (int64_t m = 0; m < rows; m += kXRows) {
-          t.y = ys + (m0 + m) * out_features + i * kR;
-          const int64_t n = std::min<int64_t>(kXRows, rows - m);
-          if (bits == 4)
-            run_tile<true>(n, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
-                           xq.sums.data() + m * groups, t);
-          else
-            run_tile<false>(n, sh, xq.q.data() + m * K, xq.scale.data() + m * sh.blocks,
-                            xq.sums.data() + m * groups, t);
-        }
+        Item t = item_of(w, pr, i, item_bytes, i + 1 < items ? w + (i + 1) * item_bytes : nullptr,
+                         std::min(kR, out_features - i * kR), b == nullptr ? nullptr : b + i * kR);
+        t.y = ys + m0 * out_features + i * kR;
+        run_rows(pr.format, sh, xq, 0, rows, t, out_features);
       }
     });
   }
@@ -371,7 +478,7 @@ namespace {
 // of y (n rows; in_row is 0 for every weight where they all take x's one row).
 struct Group {
   const uint8_t* w;
-  const uint16_t* params;
+  Params params;
   int64_t in_row, out_row, n;
 };
 
@@ -389,26 +496,30 @@ torch::Tensor run_groups(const torch::Tensor& x, const std::vector<torch::Tensor
   const int64_t K = x.size(1), items = (out_features + kR - 1) / kR;
   TORCH_CHECK(dot_linear_supports(bits, group_size, K), name, ": no ", bits, "-bit groups of ",
               group_size, " over ", K, " inputs");
-  const int64_t groups_k = K / group_size, per_item = groups_k * kR;
+  const int64_t groups_k = K / group_size;
   torch::Tensor y = torch::empty({y_rows, out_features}, x.options());
   if (G == 0) return y;
-  const bool offsets = params[0].numel() == 2 * items * per_item;
-  const int64_t item_bytes = K * bits / 8 * kR, item_params = per_item * (offsets ? 2 : 1);
+  const int64_t item_bytes = K * bits / 8 * kR;
+  Shape sh{K, K / kBlock, groups_k, group_size / kBlock, out_features, false};
+  uint8_t table[kCodebook], other[kCodebook];
   for (int64_t g = 0; g < G; ++g) {
     TORCH_CHECK(packed[g].scalar_type() == at::kByte && packed[g].is_contiguous() &&
                     packed[g].numel() == items * item_bytes,
                 name, ": packed weight of the wrong size");
-    TORCH_CHECK(params[g].scalar_type() == at::kHalf && params[g].is_contiguous() &&
-                    params[g].numel() == items * item_params,
-                name, ": params of the wrong size");
+    Shape mine = sh;
+    groups[g].params = check_params(params[g], bits, items, groups_k, g == 0 ? sh : mine,
+                                    g == 0 ? table : other, name);
+    TORCH_CHECK(groups[g].params.format == groups[0].params.format &&
+                    (g == 0 || (mine.offsets == sh.offsets && mine.least == sh.least)) &&
+                    (groups[g].params.format != Format::kCodes || g == 0 ||
+                     std::equal(table, table + kCodebook, other)),
+                name, ": the weights' formats differ");
     const Group& grp = groups[g];
     TORCH_CHECK(grp.n > 0 && grp.in_row >= 0 && grp.in_row + grp.n <= x.size(0) &&
                     grp.out_row >= 0 && grp.out_row + grp.n <= y_rows,
                 name, ": a group's rows out of range");
     groups[g].w = packed[g].data_ptr<uint8_t>();
-    groups[g].params = reinterpret_cast<const uint16_t*>(params[g].data_ptr<at::Half>());
   }
-  const Shape sh{K, K / kBlock, groups_k, group_size / kBlock, out_features, offsets};
   float* ys = y.data_ptr<float>();
   QuantizedRows xq;
   quantize_rows(x.data_ptr<float>(), x.size(0), K, group_size, xq);
@@ -418,18 +529,10 @@ torch::Tensor run_groups(const torch::Tensor& x, const std::vector<torch::Tensor
       const int64_t j = i % items;
       const uint8_t* next = j + 1 < items ? grp.w + (j + 1) * item_bytes
                                           : (i / items + 1 < G ? groups[i / items + 1].w : nullptr);
-      Item t{grp.w + j * item_bytes, grp.params + j * item_params, next, nullptr,
-             std::min(kR, out_features - j * kR), nullptr};
-      for (int64_t m = 0; m < grp.n; m += kXRows) {
-        const int64_t row = grp.in_row + m, n = std::min<int64_t>(kXRows, grp.n - m);
-        t.y = ys + (grp.out_row + m) * out_features + j * kR;
-        if (bits == 4)
-          run_tile<true>(n, sh, xq.q.data() + row * K, xq.scale.data() + row * sh.blocks,
-                         xq.sums.data() + row * groups_k, t);
-        else
-          run_tile<false>(n, sh, xq.q.data() + row * K, xq.scale.data() + row * sh.blocks,
-                          xq.sums.data() + row * groups_k, t);
-      }
+      Item t = item_of(grp.w, grp.params, j, item_bytes, next,
+                       std::min(kR, out_features - j * kR), nullptr);
+      t.y = ys + grp.out_row * out_features + j * kR;
+      run_rows(grp.params.format, sh, xq, grp.in_row, grp.n, t, out_features);
     }
   });
   return y;
@@ -451,7 +554,7 @@ torch::Tensor dot_linear_experts(torch::Tensor x, std::vector<torch::Tensor> pac
               "dot_linear_experts: x must be [1 or experts, in_features]");
   std::vector<Group> groups;
   for (int64_t e = 0; e < E; ++e)
-    groups.push_back({nullptr, nullptr, x.size(0) == 1 ? 0 : e, e, 1});
+    groups.push_back({nullptr, {}, x.size(0) == 1 ? 0 : e, e, 1});
   return run_groups(x, packed, params, std::move(groups), E, bits, group_size, out_features,
                     "dot_linear_experts");
 }
@@ -467,7 +570,7 @@ torch::Tensor dot_linear_groups(torch::Tensor x, std::vector<torch::Tensor> pack
               "dot_linear_groups: a start and a count per weight");
   std::vector<Group> groups;
   for (size_t g = 0; g < packed.size(); ++g)
-    groups.push_back({nullptr, nullptr, starts[g], starts[g], counts[g]});
+    groups.push_back({nullptr, {}, starts[g], starts[g], counts[g]});
   return run_groups(x, packed, params, std::move(groups), x.size(0), bits, group_size,
                     out_features, "dot_linear_groups");
 }

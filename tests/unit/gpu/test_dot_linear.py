@@ -1,8 +1,9 @@
 """tidal's integer-dot quantized linear (``gpu/cpu/csrc/dot_linear.cpp``): x's rows rounded to
 int8 per block of 32, multiplied by the weight's integers. Against a reference of its own
 definition (the weight, with float16 scales and offsets, times the rounded rows, in float64),
-for every format it takes, at row counts across its tiles and chunks; against the float linear
-within the rounding's bound; and through the C++ dispatch and a quantized model."""
+for every format it takes (MXFP4's codebook weights among them), at row counts across its tiles
+and chunks; against the float linear within the rounding's bound; and through the C++ dispatch
+and a quantized model."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ from tidal.gpu.quantization.linear import (
     pack_for_dot,
     round_activations,
 )
-from tidal.gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.quantization.weights import MXFP4_CODEBOOK, QuantizedWeight
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None or KERNELS.dot_linear_tile()[0] == 0,
                                 reason="needs the C++ kernels built for AVX2 or later")
+
+
+def mxfp4(n: int, seed: int = 0, exponents: tuple[int, int] = (-12, -4)) -> QuantizedWeight:
+    """Random MXFP4 codes over its codebook, each group's scale a power of two."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, K), generator=gen).to(torch.uint8)
+    e = torch.randint(*exponents, (n, K // 32), generator=gen)
+    return QuantizedWeight(4, 32, q, torch.ldexp(torch.ones(e.shape), e),
+                           codebook=torch.tensor(MXFP4_CODEBOOK, dtype=torch.int8))
+
+
+DOT_FORMATS = {**FORMATS, "mxfp4": mxfp4}
 
 
 def _fits(qw: QuantizedWeight) -> bool:
@@ -39,11 +52,11 @@ def reference(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -
     return (y if bias is None else y + bias.double()).float()
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(DOT_FORMATS))
 @pytest.mark.parametrize("out_features", [37, 96])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_is_the_weight_times_the_rounded_rows(fmt, out_features, bias):
-    qw = FORMATS[fmt](out_features)
+    qw = DOT_FORMATS[fmt](out_features)
     if not _fits(qw):
         assert qw.group_size % BLOCK, fmt  # only groups smaller than a block are turned down
         return
@@ -81,6 +94,59 @@ def test_the_largest_4bit_block_fits_the_kernels_integer_sums(sign):
     layer = QuantLinear(qw, plan=Plan.always(DOT))
     x = torch.full((3, K), sign)
     assert torch.equal(layer(x), torch.full((3, n), sign * 15.0 * K))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_widest_codebook_blocks_fit_the_kernels_integer_sums(sign):
+    """MXFP4's largest entries (12, and -12: 24 above the least, as the kernel multiplies
+    them) against rows of +-127, alternating by group so the offsets are exercised: exact."""
+    n = 24
+    q = torch.full((n, K), 7, dtype=torch.uint8)  # 12
+    q[:, 32:64] = 15  # -12
+    qw = QuantizedWeight(4, 32, q, torch.ones(n, K // 32),
+                         codebook=torch.tensor(MXFP4_CODEBOOK, dtype=torch.int8))
+    layer = QuantLinear(qw, plan=Plan.always(DOT))
+    x = torch.full((3, K), sign)
+    assert torch.equal(layer(x), torch.full((3, n), sign * 12.0 * (K - 64)))
+
+
+def test_codebook_scales_are_exponents_and_tiny_ones_read_as_zero():
+    """Scales of 2^-130 (below float32's normal range) pack as 0 and multiply as 0; scales
+    that are no powers of two turn the kernel down, and the layer takes the
+    weight as the int8 weight it equals."""
+    qw = mxfp4(16, exponents=(-12, -11))
+    qw.scales[:, 1] = 2.0 ** -130
+    rows, bias = dot_tile(KERNELS)
+    packed, params = pack_for_dot(qw, rows, bias)
+    assert params.dtype == torch.uint8 and params.numel() == 16 + 2 * rows * (K // 32)
+    assert torch.equal(params[:16].view(torch.int8), qw.codebook)
+    assert torch.equal(params[16:16 + rows], torch.full((rows,), 127 - 12, dtype=torch.uint8))
+    assert torch.equal(params[16 + rows:16 + 2 * rows], torch.zeros(rows, dtype=torch.uint8))
+    x = torch.randn(3, K)
+    flushed = QuantizedWeight(4, 32, qw.q, qw.scales.clone(), codebook=qw.codebook)
+    flushed.scales[:, 1] = 0
+    got = QuantLinear(qw, plan=Plan.always(DOT))(x)
+    torch.testing.assert_close(got, reference(flushed, x, None), rtol=1e-5, atol=1e-6)
+    for bad in (3.0, 0.75):
+        odd = QuantizedWeight(4, 32, qw.q, qw.scales.clone(), codebook=qw.codebook)
+        odd.scales[0, 0] = bad
+        assert candidate_methods(odd, torch.device("cpu")) == ["torch"]
+        layer = QuantLinear(odd)
+        assert layer.bits == 8 and not layer.codebook
+        torch.testing.assert_close(layer(x), F.linear(x, odd.dequantize()))
+
+
+def test_a_codebook_weight_on_torchs_path_is_its_dequantized_weight():
+    """The exact path, from Python and from the C++ dispatch (which dequantizes the int8
+    weight the codebook weight equals)."""
+    qw = mxfp4(40)
+    assert candidate_methods(qw, torch.device("cpu")) == [DOT, "torch"]
+    layer = QuantLinear(qw, torch.randn(40), plan=Plan.always("torch"))
+    assert layer.format_name == "mxfp4g32"
+    x = torch.randn(5, K)
+    want = F.linear(x, qw.dequantize(), layer.bias)
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer.packs.run("torch", x, layer.bias), want)
 
 
 def test_zero_rows_and_blocks_give_the_bias():
@@ -132,13 +198,13 @@ def test_bfloat16_activations_are_widened_for_the_kernel():
                                rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(DOT_FORMATS))
 @pytest.mark.parametrize("shared", [True, False], ids=["one_row", "row_each"])
 def test_several_weights_in_one_call_are_each_weights_own_call(fmt, shared):
     """``dot_linear_experts``: weight e over x's row e (or all over its one row), in one
     parallel region, equal to ``dot_linear`` per weight and within the reference's rounding;
     bfloat16 rows widened alike."""
-    weights = [FORMATS[fmt](37) if e == 0 else _random_like(FORMATS[fmt](37), e)
+    weights = [DOT_FORMATS[fmt](37) if e == 0 else _random_like(DOT_FORMATS[fmt](37), e)
                for e in range(3)]
     qw = weights[0]
     if not _fits(qw):
@@ -160,13 +226,13 @@ def test_several_weights_in_one_call_are_each_weights_own_call(fmt, shared):
                                            atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(DOT_FORMATS))
 def test_weights_over_their_own_rows_in_one_call_are_each_weights_own_call(fmt):
     """``dot_linear_groups``: weight g over its run of rows (1, 2, 5 and 70 of them: a lone
     row, a tile, a tile and a half, past a chunk), equal to ``dot_linear`` over those rows,
     bfloat16 rows too; rows between the runs are left to the caller."""
     counts, gap = [1, 2, 5, 70], 3
-    weights = [_random_like(FORMATS[fmt](37), g + 1) for g in range(len(counts))]
+    weights = [_random_like(DOT_FORMATS[fmt](37), g + 1) for g in range(len(counts))]
     qw = weights[0]
     if not _fits(qw):
         return
@@ -191,4 +257,4 @@ def _random_like(qw: QuantizedWeight, seed: int) -> QuantizedWeight:
     """Another weight of ``qw``'s format and shape: its values permuted by ``seed``."""
     perm = torch.randperm(qw.shape[0], generator=torch.Generator().manual_seed(seed))
     return QuantizedWeight(qw.bits, qw.group_size, qw.q[perm], qw.scales[perm],
-                           None if qw.offsets is None else qw.offsets[perm])
+                           None if qw.offsets is None else qw.offsets[perm], qw.codebook)

@@ -10,13 +10,15 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tests.paths import ROOT
 from tidal.core import LLM, SamplingParams
+from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu.packed_linear import PackedLinear
 from tidal.gpu.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from tidal.gpu.model_loader import _uninitialized_layers, resolve_dtype
+from tidal.gpu.model_loader import LoadOptions, _uninitialized_layers, read_model, resolve_dtype
 from tidal.gpu.models import MODELS
 from tidal.gpu.random_model import build_model_dir
 
@@ -119,3 +121,38 @@ def test_layers_are_initialized_again_once_the_model_is_built():
         assert torch.nn.Linear(4, 4, device="meta").weight.is_meta
     assert (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters) == before
     assert torch.nn.Linear(64, 64).weight.abs().sum() > 0  # initialized, not left empty
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), if any."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_an_untied_embedding_in_the_models_dtype_is_the_checkpoints_mapping(tmp_path):
+    """Read in the checkpoint's dtype (with or without --quantization), the untied embedding is
+    the safetensors file's memory map itself, not a copy: its rows stay on disk until looked
+    up. In another dtype it is converted (or int8 rows under --quantization)."""
+    path = build_model_dir(tmp_path / "untied", "llama", tie_word_embeddings=False)
+    cfg = ModelConfig.from_dir(path)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    assert table.dtype == torch.float32
+    for quantization in (None, "int8"):
+        model = read_model(path, cfg, LoadOptions(get_attention_backend("cpu", "cpu"), 64,
+                                                  torch.float32, "cpu",
+                                                  quantization=quantization))
+        weight = model.embed_tokens.weight
+        assert _mapped_file(weight.data_ptr()) == str(path / "model.safetensors")
+        assert torch.equal(weight, table)
+        ids = torch.tensor([[1, 5, table.shape[0] - 1]])
+        assert torch.equal(model.embed_tokens(ids), table[ids])
+    converted = read_model(path, cfg, LoadOptions(get_attention_backend("cpu", "cpu"), 64,
+                                                  torch.bfloat16, "cpu"))
+    assert _mapped_file(converted.embed_tokens.weight.data_ptr()) != str(path / "model.safetensors")
+    assert torch.equal(converted.embed_tokens.weight, table.to(torch.bfloat16))

@@ -1,6 +1,8 @@
 """MXFP4 checkpoints (gpt-oss's experts): the dequantizer against a decoder written here from the
 OCP Microscaling spec, and the loader on a checkpoint whose blocks and scales this test writes
-from known values, held to HF transformers running the same values in float."""
+from known values: its experts kept in MXFP4, equal to the values written, held to HF
+transformers running the same values in float, and on the dot kernel (which reads MXFP4 as it
+is) within its rounding of the activations."""
 
 from __future__ import annotations
 
@@ -10,11 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.hf_reference import check_against_hf, fidelity_llm, reference_prompts
 from tests.unit.gpu.test_gpt_oss_fidelity import hf_model
+from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.checkpoints.mxfp4 import dequantize_mxfp4
+from tidal.gpu.cpu.kernels import load_cpu_kernels
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.model_loader import LoadOptions, load_model
+from tidal.gpu.moe import MoE, route
+from tidal.gpu.quantization.experts import QuantExperts
+from tidal.gpu.quantization.linear import DOT, round_activations
 from tidal.gpu.random_model import build_model_dir
 
 pytestmark = pytest.mark.gpu
@@ -96,15 +106,83 @@ def _write_mxfp4_twins(float_dir: Path, mxfp4_dir: Path) -> dict[str, torch.Tens
     return matrices
 
 
+def _held(linears, device: torch.device) -> torch.Tensor:
+    """Experts' ``QuantLinear`` layers as the float ``[E, out, in]`` they multiply by (each
+    layer over the identity, exact on the float paths whatever layout its plan kept)."""
+    with torch.no_grad():
+        return torch.stack([layer(torch.eye(layer.in_features, device=device)).T.cpu()
+                            for layer in linears])
+
+
 def test_loader_reads_hand_written_mxfp4_experts(tmp_path):
-    """Experts of 64 inputs (two blocks a row) and of 32; the loader's layout against the
-    written values, and the model's tokens against HF's on their float twin."""
+    """Experts of 64 inputs (two blocks a row) and of 32, kept in MXFP4 (or as the int8
+    weights they equal, where no dot kernel reads them: here, with the kernels off, and on a
+    GPU); the loader's layout against the written values, and the model's tokens against
+    HF's on their float twin."""
     float_dir = build_model_dir(tmp_path / "float", "gpt_oss", num_hidden_layers=2)
     matrices = _write_mxfp4_twins(float_dir, tmp_path / "mxfp4")
-    llm = fidelity_llm(str(tmp_path / "mxfp4"))
+    llm = fidelity_llm(str(tmp_path / "mxfp4"), cpu_kernels="off")  # the exact path, torch's
     experts = llm.engine.executor.runner.model.layers[1].mlp.experts
+    assert isinstance(experts, QuantExperts)
     gate_up = matrices["model.layers.1.mlp.experts.gate_up_proj"]
     want = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)  # gate rows, then up rows
-    assert torch.equal(experts.gate_up_proj.cpu(), want)
-    assert torch.equal(experts.down_proj.cpu(), matrices["model.layers.1.mlp.experts.down_proj"])
+    device = experts.gate_up_proj_bias.device
+    assert torch.equal(_held(experts.gate_up_proj, device), want)
+    assert torch.equal(_held(experts.down_proj, device),
+                       matrices["model.layers.1.mlp.experts.down_proj"])
     check_against_hf(hf_model(str(float_dir)), llm, reference_prompts(1)[2:4])
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None or load_cpu_kernels().dot_linear_tile()[0] == 0,
+                    reason="needs the C++ kernels' dot kernel (x86 with AVX2)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_experts_on_the_dot_kernel(tmp_path, dtype):
+    """A CPU load keeps the experts in MXFP4 (no int8 copy, no float one) and packs them for
+    the dot kernel: each block's output is the token loop's over the written values with each
+    projection's input rounded as the kernel rounds it, and its C++ form bit for bit its
+    Python grouped path."""
+    float_dir = build_model_dir(tmp_path / "float", "gpt_oss", num_hidden_layers=2,
+                                hidden_size=128, head_dim=32)
+    matrices = _write_mxfp4_twins(float_dir, tmp_path / "mxfp4")
+    path = tmp_path / "mxfp4"
+    options = LoadOptions(get_attention_backend("cpu", "cpu"), 128, dtype, "cpu")
+    model = load_model(path, ModelConfig.from_dir(path), options).model
+    g = torch.Generator().manual_seed(0)
+    for i, moe in enumerate(model.layers[j].mlp for j in range(2)):
+        linears = [*moe.experts.gate_up_proj, *moe.experts.down_proj]
+        assert all(layer.codebook and layer.bits == 4 and layer.plan.single() == DOT
+                   and layer.weight_format is None and layer.packs.dot[1].dtype == torch.uint8
+                   for layer in linears)  # packed for the dot kernel only
+        assert moe.block is not None
+        gate_up = matrices[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        down = matrices[f"model.layers.{i}.mlp.experts.down_proj"]
+        for tokens in (1, 2, 9, 40):
+            x = torch.randn(tokens, 128, generator=g).to(dtype)
+            with torch.no_grad():
+                want = _rounded_reference(moe, x, gate_up, down)
+                compiled = moe(x)
+                block, moe.block = moe.block, None
+                python = moe(x)
+                moe.block = block
+            assert torch.equal(compiled, python)
+            err = (python.float() - want).abs().max() / want.abs().max()
+            assert err < (0.02 if dtype == torch.bfloat16 else 1e-5), (tokens, err)
+
+
+def _rounded_reference(moe: MoE, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                       ) -> torch.Tensor:
+    """gpt-oss's block token by token in float32, each projection's input rounded to int8 per
+    block of 32 (``round_activations``) as the dot kernel multiplies it; routed as the block
+    routes ``x``."""
+    weights, ids = route(moe.gate(x), moe.routing)
+    x = x.float()
+    gate_up_bias = moe.experts.gate_up_proj_bias.float()
+    down_bias = moe.experts.down_proj_bias.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], ids[t].tolist()):
+            h = F.linear(round_activations(x[t:t + 1]), gate_up[e], gate_up_bias[e])
+            y = F.linear(round_activations(moe.activation(h)), down[e], down_bias[e])
+            out[t] += weight.float() * y[0]
+    return out

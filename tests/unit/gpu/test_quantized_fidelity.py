@@ -50,8 +50,9 @@ FLIPPED_ROUNDING_NATS = 0.15
 
 def hf_twin(path: str, fmt: str, rounded: bool = False):
     """HF's float model of ``path`` with its decoder linears quantized as ``fmt`` and
-    dequantized, and the output head and the input embedding (one weight where tied) as int8
-    per row: the reference tidal's quantized engine is held to. ``rounded``: its linears and
+    dequantized, and the output head (and a tied embedding, the same weight) as int8 per row;
+    an untied embedding as read, as tidal keeps one in the checkpoint's dtype: the reference
+    tidal's quantized engine is held to. ``rounded``: its linears and
     head as the dot kernel multiplies, with float16 scales and offsets and inputs rounded to
     int8 per block."""
     method, group = FORMATS[fmt]
@@ -68,9 +69,6 @@ def hf_twin(path: str, fmt: str, rounded: bool = False):
     int8_head = quantize_int8(head.cpu())
     with torch.no_grad():
         head.copy_(int8_head.dequantize().to(head.device))
-        embedding = hf.get_input_embeddings().weight  # an untied one: int8 rows of its own
-        if embedding is not head:
-            embedding.copy_(quantize_int8(embedding.cpu()).dequantize().to(embedding.device))
     if rounded:  # the head on the dot kernel; a tied embedding keeps the exact rows
         hf.lm_head.weight = torch.nn.Parameter(
             int8_head.float16_params().dequantize().to(head.device))
