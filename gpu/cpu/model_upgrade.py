@@ -214,7 +214,7 @@ class CpuUpgrades(Generic[Model]):
         if forget:
             cache.forget(forget)
         model = self.load(True, cache, self.serving)
-        # a noisy plan timed again to the same choices stands: it is not timed a third time
+        # a noisy plan timed a second time stands (PlanCache.confirm): no third timing
         self._confirmed |= {id(plan) for plan in cache.confirm(noisy)}
         plans = self.plans(model)
         if plans is not None:

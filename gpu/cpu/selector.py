@@ -102,7 +102,7 @@ class Plan:
     noise: float = 0.0  # timing_noise while it was timed
     load: float | None = None  # the host's load per core when it was timed
     made_at: float = 0.0  # when (seconds since the epoch); 0 for a plan not timed
-    confirmed: bool = False  # noisy, but timed again to the same choices: it stands
+    confirmed: bool = False  # noisy, but timed a second time (``PlanCache.confirm``): it stands
     _table: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,7 +150,7 @@ class Plan:
     @property
     def provisional(self) -> bool:
         """Timed while the host was too noisy to trust: to be timed again when quiet
-        (unless a second timing made the same choices)."""
+        (unless it was timed a second time: ``PlanCache.confirm``)."""
         return self.noise > NOISY and not self.confirmed
 
     def covers(self, buckets: list[int]) -> bool:
@@ -363,14 +363,17 @@ class PlanCache:
         return dropped
 
     def confirm(self, before: dict[str, Plan]) -> list[Plan]:
-        """The plans timed again that made the same choices as ``before``'s: marked
-        confirmed (no longer provisional) here; the plans as they were timed again."""
-        same = [k for k, old in before.items()
-                if k in self.plans and self.plans[k].same_choices(old)]
-        timed_again = [self.plans[k] for k in same]
-        for key in same:
+        """``before``'s plans, timed again: marked confirmed (no longer provisional) here,
+        whatever they chose; the plans as they were timed again. A plan noisy once is timed
+        once more, on an idle engine after a wait; if that timing is noisy too, the noise is
+        the op's own (a call of a few microseconds differs from round to round by more than
+        ``NOISY`` on a quiet host), its candidates are within it of each other, and a third
+        timing, which re-reads the whole model, would not choose better."""
+        again = [k for k in before if k in self.plans]
+        timed_again = [self.plans[k] for k in again]
+        for key in again:
             self.plans[key] = replace(self.plans[key], confirmed=True)
-        self._changed = self._changed or bool(same)
+        self._changed = self._changed or bool(again)
         return timed_again
 
     def get_or_choose(self, key: str, buckets: list[int],

@@ -269,6 +269,31 @@ def test_noisy_plans_timed_again_to_the_same_choices_stand(monkeypatch, tmp_path
     assert again._upgrades.pending is None  # the next start trusts them
 
 
+def test_noisy_plans_timed_again_to_other_choices_stand_too(monkeypatch, tmp_path) -> None:
+    """Noisy on both timings and choosing differently (candidates within the noise of each
+    other): the second timing's plans are swapped in and stand, with no third timing (which
+    would read the whole model again)."""
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(selector, "_mode", None)
+    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
+    monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
+    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))  # torch wins, noisy
+    engine = _engine()
+    runner = engine.executor.runner
+    runner._upgrades.pending.future.result(timeout=300)
+    _greedy(engine, list(range(5, 25)), 3)
+    assert runner._upgrades.retiming
+    first = runner.model
+    monkeypatch.setattr(selector, "host_timer", _scripted("torch", 1.0))  # kernels win, noisy
+    runner._upgrades.pending.future.result(timeout=300)
+    _greedy(engine, list(range(5, 25)), 3)
+    assert runner.model is not first  # other choices: swapped in
+    assert selector.KERNELS in runner.cpu.plans.plans["rms_norm"].used()
+    assert runner._upgrades.pending is None  # and nothing more to time
+    noisy = [p for p in selector.PlanCache().plans.values() if p.noise > selector.NOISY]
+    assert noisy and all(p.confirmed and not p.provisional for p in noisy)
+
+
 def test_a_plans_upgrade_reads_after_the_first_model_and_borrows_from_it(monkeypatch,
                                                                          tmp_path):
     """On an empty plan cache the timed model is read once the untimed one is (two reads at
