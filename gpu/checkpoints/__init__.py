@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tidal.core.config import is_gguf_file
-from tidal.gpu.checkpoints.gguf_file import all_linears_quantized, gguf_weights
+from tidal.gpu.checkpoints.gguf_file import all_linears_quantized, experts_in_mxfp4, gguf_weights
 from tidal.gpu.checkpoints.quantized import quantized_weights
 from tidal.gpu.checkpoints.safetensors_files import iter_safetensors
 from tidal.gpu.quantization.weights import Weight
@@ -30,9 +30,9 @@ def checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Weight]]:
 
 def experts_arrive_quantized(model_dir: str | Path) -> bool:
     """Whether the checkpoint's MoE experts are read as quantized weights to be kept so
-    without ``--quantization`` (an MXFP4 checkpoint's, ``mxfp4.py``)."""
+    without ``--quantization``: MXFP4 ones (a checkpoint's, ``mxfp4.py``; a GGUF's)."""
     if is_gguf_file(model_dir):
-        return False
+        return experts_in_mxfp4(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     method = (config.get("quantization_config") or {}).get("quant_method", "")
     return str(method).lower() == "mxfp4"

@@ -11,7 +11,10 @@ its scales multiplied out, never through a float copy of the weight:
 - ``Q4_K``: super-blocks of 256 in 8 sub-blocks of 32, ``w = d * sc * q - dmin * m`` with
   6-bit ``sc`` and ``m`` -> 4 bits, groups of 32, scales ``d * sc``, offsets ``-dmin * m``;
 - ``Q6_K``: super-blocks of 256 in 16 sub-blocks of 16, ``w = d * sc * (q - 32)`` with 6-bit
-  ``q`` and int8 ``sc`` -> 8 bits (``q - 32`` fits int8), groups of 16, symmetric.
+  ``q`` and int8 ``sc`` -> 8 bits (``q - 32`` fits int8), groups of 16, symmetric;
+- ``MXFP4``: blocks of 32 E2M1 codes and an E8M0 exponent ``e`` -> a codebook weight over
+  ``MXFP4_CODEBOOK`` (E2M1 doubled, as llama.cpp's ``kvalues_mxfp4``), groups of 32, scales
+  ``2 ** (e - 128)``; the one type that is not affine (``weights.py``).
 
 The unpacking is vectorised over all of a tensor's blocks at once (a 3B model has millions),
 mirrors ``gguf.quants``' dequantizers bit for bit, and reads the memory-mapped file once.
@@ -21,15 +24,14 @@ from __future__ import annotations
 
 import warnings
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tidal.gpu.quantization.weights import QuantizedWeight
+from tidal.gpu.quantization.weights import MXFP4_CODEBOOK, QuantizedWeight
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K, T.MXFP4)
 SUPPORTED_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
 QK_K = 256  # values in a K-type super-block
 
@@ -50,10 +52,7 @@ def to_weight(name: str, qtype: T, data: np.ndarray) -> torch.Tensor | Quantized
 
 
 def dense_tensor(name: str, qtype: T, data: np.ndarray) -> torch.Tensor:
-    """The tensor as floats whatever its type and rank: quantized blocks dequantized (MXFP4,
-    which is read for gpt-oss's experts only, by the ``gguf`` package's reference)."""
-    if qtype == T.MXFP4:
-        return torch.from_numpy(gguf.quants.dequantize(np.asarray(data), qtype))
+    """The tensor as floats whatever its type and rank: quantized blocks dequantized."""
     if qtype in FLOAT_TYPES:
         return _float_tensor(qtype, data).float()
     shape = data.shape
@@ -145,4 +144,14 @@ def unpack_q6_k(raw: np.ndarray) -> QuantizedWeight:
     return _weight(8, 16, q, _f16(blocks, 208)[..., None] * sc)
 
 
-_UNPACK = {T.Q8_0: unpack_q8_0, T.Q4_0: unpack_q4_0, T.Q4_K: unpack_q4_k, T.Q6_K: unpack_q6_k}
+def unpack_mxfp4(raw: np.ndarray) -> QuantizedWeight:
+    blocks = _blocks(raw, 17)  # the exponent byte, then 16 bytes: codes j and j + 16 each
+    rows = blocks.shape[0]
+    q = _nibbles(blocks[..., 1:]).reshape(rows, -1)
+    scales = np.ldexp(np.float32(1), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
+    return QuantizedWeight(4, 32, torch.from_numpy(q), torch.from_numpy(scales),
+                           codebook=torch.tensor(MXFP4_CODEBOOK, dtype=torch.int8))
+
+
+_UNPACK = {T.Q8_0: unpack_q8_0, T.Q4_0: unpack_q4_0, T.Q4_K: unpack_q4_k, T.Q6_K: unpack_q6_k,
+           T.MXFP4: unpack_mxfp4}

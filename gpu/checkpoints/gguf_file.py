@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from tidal.gpu.checkpoints.gguf_blocks import QUANTIZED_TYPES, dense_tensor, to_weight
@@ -73,6 +74,7 @@ _LAYER_NAMES = {
 # a layer's stacked experts -> each expert's projection
 EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                 "ffn_down_exps": "down_proj"}
+FUSED_GATE_UP = "ffn_gate_up_exps"  # newer converters' gpt-oss experts, gate rows then up
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 NOT_WEIGHTS = ("rope_freqs.weight",)  # read into the config (``hf_config``)
@@ -135,13 +137,14 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
     for tensor in reader.tensors:
         name = hf_name(tensor.name, meta.arch)
         match = _LAYER_TENSOR.fullmatch(tensor.name)
-        if match and meta.arch == GPT_OSS_ARCH and is_expert_part(match.group(2)):
+        if (match and meta.arch == GPT_OSS_ARCH and is_expert_part(match.group(2))
+                and not _kept_experts(tensor)):
             layer, part, kind = match.groups()
             yield from pairs.add(layer, part, kind, dense_tensor(tensor.name,
                                                                  tensor.tensor_type,
                                                                  tensor.data))
             continue
-        if name is None and match and match.group(2) in EXPERT_PARTS:
+        if match and (name is None and match.group(2) in EXPERT_PARTS or _kept_experts(tensor)):
             yield from _experts(tensor)
             continue
         if name is None:
@@ -159,15 +162,34 @@ def _read_weights(reader: GGUFReader) -> Iterator[tuple[str, Any]]:
     pairs.check_done()
 
 
+def _kept_experts(tensor: Any) -> bool:
+    """Stacked MXFP4 expert weights (gpt-oss's, any ``_exps`` part): read as each expert's
+    codebook weights, which the loader keeps in MXFP4 (``checkpoints.experts_arrive_quantized``)
+    rather than dequantized."""
+    return tensor.tensor_type == T.MXFP4 and tensor.name.endswith("_exps.weight")
+
+
 def _experts(tensor: Any) -> Iterator[tuple[str, Any]]:
-    """A stacked expert tensor ``[E, out, in]`` as each expert's weight, by HF name."""
+    """A stacked expert tensor ``[E, out, in]`` as each expert's weight, by HF name (a fused
+    ``ffn_gate_up_exps``, gate rows first, as each expert's gate and up)."""
     _, layer, part, _ = tensor.name.split(".")
     data = tensor.data
     experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else data.shape[0]
     data = data.reshape(experts, -1, data.shape[-1])
+    prefix = f"model.layers.{layer}.mlp.experts"
     for e in range(experts):
-        name = f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_PARTS[part]}.weight"
+        if part == FUSED_GATE_UP:
+            gate, up = np.split(data[e], 2)
+            yield f"{prefix}.{e}.gate_proj.weight", to_weight(tensor.name, tensor.tensor_type, gate)
+            yield f"{prefix}.{e}.up_proj.weight", to_weight(tensor.name, tensor.tensor_type, up)
+            continue
+        name = f"{prefix}.{e}.{EXPERT_PARTS[part]}.weight"
         yield name, to_weight(tensor.name, tensor.tensor_type, data[e])
+
+
+def experts_in_mxfp4(path: str | Path) -> bool:
+    """Whether the file's stacked experts are MXFP4, by the tensor index alone."""
+    return any(_kept_experts(t) for t in open_reader(str(path)).tensors)
 
 
 def all_linears_quantized(path: str | Path) -> bool:

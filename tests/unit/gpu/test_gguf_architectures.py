@@ -11,6 +11,7 @@ import dataclasses
 import json
 import shutil
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -21,7 +22,10 @@ from tests.device import on_test_device
 from tests.gguf_writing import write_gguf
 from tests.unit.gpu.test_gguf import _check_against_twin
 from tidal.core import LLM
+from tidal.gpu.checkpoints import experts_arrive_quantized
+from tidal.gpu.checkpoints.gguf_file import gguf_weights
 from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.quantization.experts import QuantExperts
 from tidal.gpu.random_model import build_model_dir
 
 # experts in Q4_0 and Q8_0 (their rows are multiples of 32), attention in Q8_0
@@ -145,7 +149,28 @@ def test_gpt_oss_settings_come_from_the_metadata(gpt_oss_gguf):
         {k: v for k, v in want.rope_scaling.items() if k not in ("rope_type", "rope_theta")}
 
 
+def test_gpt_oss_gguf_experts_are_read_in_mxfp4(gpt_oss_gguf):
+    """Each expert's matrix a codebook weight, equal to the gguf package's dequantization of
+    the stacked tensor, kept so by the loader."""
+    _, path, _ = gpt_oss_gguf
+    assert experts_arrive_quantized(path)
+    stacked = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    weights = dict(gguf_weights(path))
+    for part, name in (("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"),
+                       ("ffn_down_exps", "down_proj")):
+        t = stacked[f"blk.1.{part}.weight"]
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+        for e in range(want.shape[0]):
+            got = weights[f"model.layers.1.mlp.experts.{e}.{name}.weight"]
+            assert got.codebook is not None and got.bits == 4
+            assert torch.equal(got.dequantize(), want[e]), (part, e)
+
+
 @pytest.mark.gpu
 def test_gpt_oss_gguf_matches_hf_on_the_dequantized_weights(gpt_oss_gguf):
+    """On the exact path (the CPU kernels off: the MXFP4 experts as the int8 weights they
+    equal, through torch's path)."""
     _, path, twin = gpt_oss_gguf
-    _check_against_twin(LLM(str(path), dtype="float32", **on_test_device()), twin)
+    llm = LLM(str(path), dtype="float32", **on_test_device(cpu_kernels="off"))
+    assert isinstance(llm.engine.executor.runner.model.layers[0].mlp.experts, QuantExperts)
+    _check_against_twin(llm, twin)
