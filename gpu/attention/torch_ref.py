@@ -170,18 +170,22 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                       scale: float, softcap: float, sinks: Sinks = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, L, D]`` over ``k``/``v`` ``[B, KVH, S, D]`` where ``mask``
     allows: torch's fused kernel, or with ``softcap`` or ``sinks`` the plain maths (as HF's
-    eager path)."""
+    eager path), in float32 whatever the inputs' dtype: torch's bfloat16 matmul on a CPU
+    without bfloat16 instructions is tens of times slower than its float32 one (a
+    gpt-oss-shaped prefill of 128 tokens spent most of its time there), and the scores are
+    float32 either way."""
     if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dtype, group = q.dtype, q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(
+        group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = _softmax_with_sinks(scores, sinks, heads_dim=1).to(q.dtype)
-    return torch.matmul(probs, v)
+    probs = _softmax_with_sinks(scores, sinks, heads_dim=1)
+    return torch.matmul(probs, v).to(dtype)
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: Sinks, heads_dim: int) -> torch.Tensor:

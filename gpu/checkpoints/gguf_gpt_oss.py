@@ -6,7 +6,8 @@ llama.cpp's converter splits the checkpoint's interleaved ``gate_up_proj`` ``[E,
 ``blk.N.ffn_gate_exps`` and ``ffn_up_exps`` ``[E, I, H]`` (newer ones may write them fused,
 ``ffn_gate_up_exps`` ``[E, 2I, H]``, the gate rows first), transposes ``down_proj`` into
 ``ffn_down_exps`` ``[E, H, I]``, splits the biases alike, and keeps the experts in MXFP4 blocks
-(dequantized here into floats). Those are put back: gate and up rows interleaved and
+(read as codebook weights where MXFP4, ``gguf_file._experts``; other types dequantized here into
+floats). Those are put back: gate and up rows interleaved and
 transposed, ``down_proj`` transposed, and the router (``ffn_gate_inp``) and the attention sinks
 (``attn_sinks``) under their checkpoint names.
 
