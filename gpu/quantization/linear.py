@@ -13,8 +13,7 @@ bucket, as it does for float linears:
   multiplied by the weight's integers with byte dot products (VNNI, or AVX2's pairs). Its
   result is the weight times the rounded rows, so it is checked against that, and the models
   it serves against the fidelity bounds of ``--quantization``; scales and offsets in float16.
-  The one method that reads a codebook weight (MXFP4) as it is: nibbles to the codebook's
-  integers by a table shuffle, scales as their exponents;
+  The one method that reads a codebook weight (MXFP4) as it is (a table shuffle);
 - ``aten``: torch's own fused ops, which dequantize inside the GEMM: ``_weight_int8pack_mm``
   (int8 with one scale per output channel) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups
   of 32 to 256 with a scale and a zero point);

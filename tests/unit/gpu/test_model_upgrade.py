@@ -244,19 +244,26 @@ def test_steps_slower_than_when_the_plans_came_in_have_them_timed_again(monkeypa
     assert after == tokens and tokens[:8] == before
 
 
-def test_noisy_plans_timed_again_to_the_same_choices_stand(monkeypatch, tmp_path) -> None:
-    """A host that stays noisy: the second timing makes the same choices, so the plans stand
-    (confirmed, in this process and in the cache) instead of being timed again and again."""
+def _served_on_noisy_plans(monkeypatch, tmp_path):
+    """An engine whose first plans were timed noisy (torch's paths fastest), served a request
+    and waiting to time them again: (engine, runner)."""
     monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(selector, "_mode", None)
     monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
     monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
-    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))  # noisy, always
+    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))
     engine = _engine()
     runner = engine.executor.runner
     runner._upgrades.pending.future.result(timeout=300)
     _greedy(engine, list(range(5, 25)), 3)
     assert runner._upgrades.retiming
+    return engine, runner
+
+
+def test_noisy_plans_timed_again_to_the_same_choices_stand(monkeypatch, tmp_path) -> None:
+    """A host that stays noisy: the second timing makes the same choices, so the plans stand
+    (confirmed, in this process and in the cache) instead of being timed again and again."""
+    engine, runner = _served_on_noisy_plans(monkeypatch, tmp_path)
     first = runner.model
     runner._upgrades.pending.future.result(timeout=300)
     _greedy(engine, list(range(5, 25)), 3)
@@ -273,16 +280,7 @@ def test_noisy_plans_timed_again_to_other_choices_stand_too(monkeypatch, tmp_pat
     """Noisy on both timings and choosing differently (candidates within the noise of each
     other): the second timing's plans are swapped in and stand, with no third timing (which
     would read the whole model again)."""
-    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(selector, "_mode", None)
-    monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
-    monkeypatch.setattr(model_upgrade, "IDLE_S", 0.2)
-    monkeypatch.setattr(selector, "host_timer", _scripted("others", 1.0))  # torch wins, noisy
-    engine = _engine()
-    runner = engine.executor.runner
-    runner._upgrades.pending.future.result(timeout=300)
-    _greedy(engine, list(range(5, 25)), 3)
-    assert runner._upgrades.retiming
+    engine, runner = _served_on_noisy_plans(monkeypatch, tmp_path)
     first = runner.model
     monkeypatch.setattr(selector, "host_timer", _scripted("torch", 1.0))  # kernels win, noisy
     runner._upgrades.pending.future.result(timeout=300)
