@@ -106,10 +106,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     timed = options.timed and selector.mode() == "auto"
     cache = options.plan_cache if options.plan_cache is not None else (
         PlanCache() if timed else None)
-    planner = None
-    if options.quantization is not None or experts_arrive_quantized(model_dir):
-        planner = (lambda nbytes: QuantPlanner(options.max_rows, cache if timed else None,
-                                               nbytes > TWO_LAYOUTS_MAX_BYTES))
+    # used where the experts stay quantized (read_model decides)
+    planner = (lambda nbytes: QuantPlanner(options.max_rows, cache if timed else None,
+                                           nbytes > TWO_LAYOUTS_MAX_BYTES))
     model = read_model(model_dir, cfg, options, planner)
     cpu = prepare_for_cpu(model, options.max_rows, options.max_seqs, cache, options.timed)
     return LoadedModel(model, cpu)
