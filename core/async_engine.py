@@ -66,6 +66,9 @@ class _Call:
 
 
 _STOP = object()
+# An engine idle this long gives the steps' freed host memory back to the OS (once per idle
+# spell): a server holds its busy steps' working set only while it is busy.
+IDLE_RELEASE_S = 2.0
 
 
 class AsyncEngine:
@@ -84,6 +87,7 @@ class AsyncEngine:
         self._launch: queue.SimpleQueue | None = None  # start() -> the waiting engine thread
         self._dead: BaseException | None = None
         self._pending: tuple[list, EngineStats] | None = None  # outputs not yet posted
+        self._released = True  # False: steps ran since the host memory last went back
         self._calls: set[asyncio.Future] = set()  # _Call futures not yet resolved
         if core is None:
             if config is None:
@@ -276,6 +280,7 @@ class AsyncEngine:
             outputs: list = list(errors)
             if self.core.has_unfinished_requests():
                 outputs.extend(self.core.step(before_forward=self._flush_in_step))
+                self._released = False
             step_done = time.monotonic()  # when these tokens were sampled, for latency
             for out in outputs:
                 if isinstance(out, RequestOutput):
@@ -293,12 +298,23 @@ class AsyncEngine:
         self._flush()
         self.core.profiler.lap("post")
 
+    def _wait_idle(self) -> object:
+        """The next item for an idle engine; after ``IDLE_RELEASE_S`` without one, the host
+        memory of the steps before goes back to the OS, then the wait goes on."""
+        if not self._released:
+            try:
+                return self._inbox.get(timeout=IDLE_RELEASE_S)
+            except queue.Empty:
+                self._released = True
+                self.core.release_host_memory()
+        return self._inbox.get()
+
     def _drain(self, block: bool) -> list[tuple[str, BaseException]] | None:
         """Apply queued adds and aborts; ``None`` means stop. Returns per-request errors."""
         errors: list[tuple[str, BaseException]] = []
         while True:
             try:
-                item = self._inbox.get(block=block)
+                item = self._wait_idle() if block else self._inbox.get(block=False)
             except queue.Empty:
                 return errors
             block = False

@@ -283,6 +283,11 @@ class EngineCore:
         entering them in every step (see ``ModelRunner.step_modes``)."""
         return self.executor.step_modes()
 
+    def release_host_memory(self) -> None:
+        """Give the OS back the host memory the last steps' temporaries left with the C
+        allocator (an idle engine's; the next busy steps take it again)."""
+        self.executor.release_host_memory()
+
     def shutdown(self) -> None:
         """Leave the KV tier's prefixes on disk (``--kv-offload-path``), then release the
         executor's workers (a tensor-parallel group's processes)."""

@@ -87,6 +87,10 @@ class Executor(ABC):
         """Thread modes to hold for a run of steps on the calling thread."""
         return contextlib.nullcontext()
 
+    def release_host_memory(self) -> None:  # noqa: B027 - nothing kept by default
+        """Hand back to the OS the host memory the C allocator kept from the last steps'
+        temporaries (on every rank): the engine calls it once it has idled a while."""
+
     @abstractmethod
     def kernel_summary(self) -> str:
         """What runs the model's ops, in a line for the start-up banner."""

@@ -10,6 +10,7 @@ from tidal.core.executor import Executor, StepResult
 from tidal.core.host_tier import KVCopies
 from tidal.core.scheduler_output import SchedulerOutput
 from tidal.core.step_profiler import StepProfiler
+from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.worker import create_model_runner
 
 
@@ -73,6 +74,9 @@ class UniProcExecutor(Executor):
 
     def step_modes(self) -> contextlib.AbstractContextManager[None]:
         return self.runner.step_modes()
+
+    def release_host_memory(self) -> None:
+        release_freed_host_memory()
 
     def kernel_summary(self) -> str:
         return self.runner.kernel_summary()

@@ -93,6 +93,9 @@ class MultiprocExecutor(Executor):
             before_forward()  # the workers compute meanwhile
         return _RemoteStep(self, seq)
 
+    def release_host_memory(self) -> None:
+        self._call("release_host_memory")
+
     def kernel_summary(self) -> str:
         return f"{self._call('kernel_summary')} (rank 0; {_layout(self._config)})"
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.core.config import EngineConfig
+from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.distributed import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from tidal.gpu.model_checks import check_against_checkpoint, fit_context
 from tidal.gpu.model_config import ModelConfig
@@ -115,6 +116,9 @@ class Worker:
         """A step without stages; with stages, an empty one (only its plan's removals and
         copies), which every stage runs once the pipe is drained."""
         return self.runner.execute_model_async(sched).result()
+
+    def release_host_memory(self) -> None:
+        release_freed_host_memory()
 
     def kernel_summary(self) -> str:
         return self.runner.kernel_summary()

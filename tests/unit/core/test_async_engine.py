@@ -135,3 +135,32 @@ async def test_cancelling_the_consumer_aborts_and_frees_blocks(model_dir: Path) 
         assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_cache_usage == 0.0
     finally:
         await engine.shutdown()
+
+
+async def test_an_idle_engine_gives_its_steps_host_memory_back_once(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once per idle spell, after ``IDLE_RELEASE_S`` without work: never while it steps,
+    never before its first step, never twice for one spell."""
+    from tidal.core import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_RELEASE_S", 0.2)
+    engine = AsyncEngine(_engine_config(model_dir))
+    releases: list[int] = []
+    engine.core.executor.release_host_memory = lambda: releases.append(1)  # type: ignore
+    engine.start()
+    try:
+        await asyncio.sleep(0.5)
+        assert releases == []  # no step ran yet: nothing to give back
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        for spell in (1, 2):
+            tokens = [t async for d in engine.generate([5, 6, 7], params, f"r{spell}")
+                      for t in d.outputs[0].token_ids]
+            assert len(tokens) == 30 and len(releases) == spell - 1  # not while it served
+            for _ in range(100):
+                if len(releases) == spell:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)
+            assert len(releases) == spell
+    finally:
+        await engine.shutdown()
