@@ -57,12 +57,13 @@ def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
         if weight.bits == 8 and weight.per_channel and weight.offsets is None:
             return weight
         weight = weight.dequantize()
-    parts = [quantize_int8(weight[i:i + QUANTIZE_ROWS])
-             for i in range(0, weight.shape[0], QUANTIZE_ROWS)]
-    if len(parts) == 1:
-        return parts[0]
-    return QuantizedWeight(8, weight.shape[1], torch.cat([p.q for p in parts]),
-                           torch.cat([p.scales for p in parts]))
+    rows, cols = weight.shape
+    q = torch.empty(rows, cols, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=weight.device)
+    for i in range(0, rows, QUANTIZE_ROWS):  # into place: no second copy to concatenate
+        part = quantize_int8(weight[i:i + QUANTIZE_ROWS])
+        q[i:i + QUANTIZE_ROWS], scales[i:i + QUANTIZE_ROWS] = part.q, part.scales
+    return QuantizedWeight(8, cols, q, scales)
 
 
 class QuantEmbedding(nn.Module):
