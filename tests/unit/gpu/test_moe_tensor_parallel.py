@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from tests.hf_reference import check_against_hf, reference_prompts
+from tests.unit.gpu.test_gpt_oss_fidelity import hf_model
 from tests.unit.gpu.test_moe_fidelity import _hf, _hf_twin_with_experts
+from tests.unit.gpu.test_mxfp4 import _write_mxfp4_twins, pack, random_codes
 from tests.unit.gpu.test_tensor_parallel import _config
 from tidal.core import LLM
+from tidal.gpu.checkpoints.mxfp4 import MXFP4_CODEBOOK, codebook_weight
 from tidal.gpu.distributed import TensorParallel
 from tidal.gpu.quantization.weights import quantize_int8
 from tidal.gpu.random_model import build_model_dir
@@ -76,3 +79,36 @@ def test_expert_shards_put_back_together_are_the_experts():
     w1 = torch.randn(i, h, generator=g)
     assert torch.equal(torch.cat([shard_weight("model.layers.0.block_sparse_moe.experts.3.w1"
                                                ".weight", w1, cfg, t) for t in ranks]), w1)
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_mxfp4_experts_and_match_hf(tmp_path):
+    """gpt-oss's MXFP4 experts cut at their blocks (64 intermediates: a block of 32 a rank),
+    each rank's slice kept as codes and exponents: two ranks against HF on the float twin,
+    on the exact path (the kernels off: each slice the int8 weight it equals)."""
+    float_dir = build_model_dir(tmp_path / "float", "gpt_oss", num_hidden_layers=2,
+                                intermediate_size=64)
+    _write_mxfp4_twins(float_dir, tmp_path / "mxfp4")
+    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", max_model_len=512,
+              tensor_parallel_size=2, cpu_kernels="off")
+    try:
+        check_against_hf(hf_model(str(float_dir)), llm, reference_prompts(1)[2:4])
+    finally:
+        llm.shutdown()
+
+
+def test_mxfp4_expert_shards_put_back_together_are_the_expert():
+    """An MXFP4 expert's gate and up rows split by rows, its down by whole blocks of inputs,
+    every shard still codes over the codebook (not expanded to int8)."""
+    cfg = replace(_config(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    codebook = torch.tensor(MXFP4_CODEBOOK, dtype=torch.int8)
+    ranks = [TensorParallel(r, 2) for r in range(2)]
+    for part, (rows, cols), dim in (("gate_proj", (i, h), 0), ("down_proj", (h, i), 1)):
+        nibbles, scales = random_codes((rows, cols // 32), seed=rows, scale_range=(120, 128))
+        whole = codebook_weight(pack(nibbles), scales, codebook)
+        shards = [shard_weight(f"model.layers.0.mlp.experts.1.{part}.weight", whole, cfg, t)
+                  for t in ranks]
+        assert all(s.codebook is not None and s.bits == 4 for s in shards)
+        assert torch.equal(torch.cat([s.dequantize() for s in shards], dim=dim),
+                           whole.dequantize())
