@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -132,6 +133,8 @@ def _build_and_load() -> ModuleType | None:
     built = is_built()
     logger.info("%s the C++ CPU kernels for -march=%s", "loading" if built else
                 "building (once per machine)", target_isa())
+    if built and (module := _import_built()) is not None:
+        return module
     owner = _build_dir() / BUILDER_FILE
     try:
         owner.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +148,25 @@ def _build_and_load() -> ModuleType | None:
         return None
     finally:
         owner.unlink(missing_ok=True)
+
+
+def _import_built() -> ModuleType | None:
+    """The finished build imported as it is. Not through torch's builder, which compiles every
+    source again when torch's headers are newer than its objects (torch reinstalled at the
+    same version: minutes of compiling where the start should take seconds); the build's name
+    already holds what makes a build valid here. ``None`` if it cannot be imported (then the
+    builder makes it again)."""
+    path = _build_dir() / f"{build_name()}.so"
+    try:
+        spec = importlib.util.spec_from_file_location(build_name(), path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as exc:
+        logger.warning("the kernels' build at %s does not load (%s); building them again",
+                       path, exc)
+        return None
 
 
 BUILDER_FILE = "tidal-builder.pid"  # the process building, beside torch's build lock

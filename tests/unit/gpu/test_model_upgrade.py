@@ -77,6 +77,23 @@ def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> 
     assert tokens == _greedy(reference, prompt, 12)
 
 
+def test_a_finished_build_is_imported_without_the_builder(monkeypatch, tmp_path) -> None:
+    """A finished build loads as it is, never through torch's builder (which would compile it
+    all again if torch's headers were newer); one that does not import is built again."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    if kernels.load_cpu_kernels() is None:
+        pytest.skip("no build of the kernels on this host")
+    built = kernels._build_dir() / f"{kernels.build_name()}.so"
+    calls: list[str] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw["name"]))
+    module = kernels._build_and_load.__wrapped__()
+    assert calls == [] and module is not None and hasattr(module, "dot_linear_tile")
+    (tmp_path / built.name).write_bytes(b"not a shared object")
+    monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path)
+    assert kernels._build_and_load.__wrapped__() is None and calls == [kernels.build_name()]
+
+
 def test_a_build_lock_left_by_a_dead_builder_is_cleared(monkeypatch, tmp_path) -> None:
     """A server killed during its first build leaves torch's lock; the next start must not
     wait on it forever. A lock whose builder is alive, or one too fresh to judge, stays."""
