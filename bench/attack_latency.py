@@ -141,7 +141,10 @@ async def _measure(url: str, model: str, seconds: float, min_polls: int,
 
 # -- the attacks (the main process's event loop) -----------------------------------------------
 class Attack:
-    """One attack's connections until ``stop``, and what the server answered them."""
+    """One attack's connections until ``stop``, and what the server answered them. Once
+    stopped, requests in flight get up to ``answer_wait_s`` to be answered (and counted)."""
+
+    answer_wait_s = 30.0
 
     def __init__(self, url: str, port: int, model: str, connections: int) -> None:
         self.url, self.port, self.model = url, port, model
@@ -247,6 +250,8 @@ class Deep(Attack):
 
 
 class Flood(Attack):
+    answer_wait_s = 0.0  # its outcomes count at the headers; its streams run long after
+
     async def run(self) -> None:
         body = {"model": self.model, "messages": CHAT, "n": 128, "max_tokens": 200,
                 "stream": True, "ignore_eos": True}
@@ -271,7 +276,10 @@ class Flood(Attack):
 
 class RawAttack(Attack):
     """An attack on a raw socket: ``head`` sent, then ``feed`` until the server answers or
-    closes; again on a new connection."""
+    closes; again on a new connection. Its bytes count as they are sent, and its bodies may
+    never end, so a stop cuts it at once."""
+
+    answer_wait_s = 0.0
 
     head = b""
 
@@ -467,6 +475,7 @@ async def run_attack(name: str, url: str, port: int, model: str, seconds: float,
         task.result()  # the attack failed: say why
     sample = await measure_async(seconds)
     attack.stop.set()
+    await asyncio.wait({task}, timeout=attack.answer_wait_s)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
