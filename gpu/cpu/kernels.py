@@ -154,8 +154,8 @@ def _import_built() -> ModuleType | None:
     """The finished build imported as it is. Not through torch's builder, which compiles every
     source again when torch's headers are newer than its objects (torch reinstalled at the
     same version: minutes of compiling where the start should take seconds); the build's name
-    already holds what makes a build valid here. ``None`` if it cannot be imported (then the
-    builder makes it again)."""
+    holds what makes a build valid here (``build_name``). ``None`` if it cannot be imported
+    (then the builder makes it again)."""
     path = _build_dir() / f"{build_name()}.so"
     try:
         spec = importlib.util.spec_from_file_location(build_name(), path)
@@ -216,13 +216,14 @@ def target_isa() -> str:
 
 
 def build_name() -> str:
-    """The build's name: the sources, the target ISA and this CPU's model and flags, so that a
-    build made with ``-march=native`` on another machine (a shared home directory) is never
-    loaded here."""
+    """The build's name: the sources, torch's version (whose ABI the build links against), the
+    target ISA and this CPU's model and flags, so that a build made for another torch, or with
+    ``-march=native`` on another machine (a shared home directory), is never loaded here."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    digest.update(f"{target_isa()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}".encode())
+    digest.update(f"{torch.__version__}|{target_isa()}|{cpu_model()}|"
+                  f"{' '.join(sorted(cpu_flags()))}".encode())
     return f"tidal_cpu_kernels_{digest.hexdigest()[:12]}"
 
 

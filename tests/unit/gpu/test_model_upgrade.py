@@ -94,6 +94,16 @@ def test_a_finished_build_is_imported_without_the_builder(monkeypatch, tmp_path)
     assert kernels._build_and_load.__wrapped__() is None and calls == [kernels.build_name()]
 
 
+def test_a_build_for_another_torch_is_another_build(monkeypatch) -> None:
+    """The name a finished build is imported by covers torch's version: a build linked
+    against another torch's ABI is never imported as it is."""
+    import torch
+
+    name = kernels.build_name()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert kernels.build_name() != name
+
+
 def test_a_build_lock_left_by_a_dead_builder_is_cleared(monkeypatch, tmp_path) -> None:
     """A server killed during its first build leaves torch's lock; the next start must not
     wait on it forever. A lock whose builder is alive, or one too fresh to judge, stays."""
