@@ -34,7 +34,8 @@ from tidal.gpu.cpu.kernels import target_isa
 from tidal.gpu.cpu.selector import PlanCache
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, read_model
-from tidal.gpu.quantization.linear import QuantLinear, candidate_methods, plan_quant_linears
+from tidal.gpu.quantization.linear import QuantLinear, candidate_methods
+from tidal.gpu.quantization.planner import plan_quant_linears
 from tidal.gpu.quantization.weights import QuantizedWeight
 
 QUANT_FORMATS = {"int8": ("int8", 32), "int4g32": ("int4", 32), "int4g64": ("int4", 64),

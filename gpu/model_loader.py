@@ -35,7 +35,11 @@ from tidal.gpu.quantization.apply import (
     quantize_on_read,
     quantized_bytes,
 )
-from tidal.gpu.quantization.experts import ExpertCollector, leave_experts_unallocated
+from tidal.gpu.quantization.experts import (
+    ExpertCollector,
+    counterpart,
+    leave_experts_unallocated,
+)
 from tidal.gpu.quantization.head import (
     QuantEmbedding,
     QuantHead,
@@ -43,7 +47,8 @@ from tidal.gpu.quantization.head import (
     leave_vocab_unallocated,
     quantize_head,
 )
-from tidal.gpu.quantization.linear import QuantPlanner
+from tidal.gpu.quantization.linear import QuantLinear
+from tidal.gpu.quantization.planner import QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows
 from tidal.gpu.weight_shards import shard_weights
 
@@ -85,7 +90,8 @@ class LoadOptions:
     quantization: str | None = None
     group_size: int = 32
     # a model read from the same checkpoint and options (the one serving, for its upgrade):
-    # its int8 embedding and head are taken as they are, not quantized and held a second time
+    # its int8 embedding and head are taken as they are, not quantized and held a second time,
+    # and its quantized linears' and experts' packed layouts where the new plans use them too
     reuse: nn.Module | None = None
 
 
@@ -200,7 +206,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
     device = next(model.parameters()).device  # checkpoints are read on the CPU
     loaded: set[str] = set()
     shards: dict[str, dict[int, QuantizedWeight]] = {}  # quantized target -> shards read so far
-    experts = ExpertCollector(model, dtype, planner)
+    experts = ExpertCollector(model, dtype, planner, reuse)
     tied_head = quantized and cfg.tie_word_embeddings
     for name, value in weights:
         slot = expert_slot(name)  # a MoE's per-expert weight (gpu/moe_weights.py)
@@ -247,7 +253,8 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
                 _fused_slice(param, target, shard, cfg).copy_(value)
         loaded.add(target)
     for target, parts in shards.items():
-        _install_quantized(model, target, parts, dtype)
+        layer = _install_quantized(model, target, parts, dtype)
+        layer.borrow(counterpart(reuse, target.removesuffix(".weight")))
     experts.install()
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
@@ -284,7 +291,7 @@ def _takes_quantized(target: str) -> bool:
 
 
 def _install_quantized(model: nn.Module, target: str,
-                       shards: dict[int, QuantizedWeight], dtype: torch.dtype) -> None:
+                       shards: dict[int, QuantizedWeight], dtype: torch.dtype) -> QuantLinear:
     """Replace the linear ``target`` names (``layers.0.self_attn.qkv_proj.weight``) with a
     ``QuantLinear`` over its shards fused in order."""
     path, attr, _ = target.rsplit(".", 2)
@@ -297,7 +304,7 @@ def _install_quantized(model: nn.Module, target: str,
     shape = (linear.out_features, linear.in_features)
     if weight.shape != shape:
         raise ValueError(f"quantized {target} is {list(weight.shape)}, the model's {list(shape)}")
-    install(parent, attr, weight, linear.bias, dtype)
+    return install(parent, attr, weight, linear.bias, dtype)
 
 
 def _map_name(name: str) -> tuple[str | None, int | None]:

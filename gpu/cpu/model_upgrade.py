@@ -10,9 +10,10 @@ between two steps (``ModelRunner``). Three things call for one:
   once the engine has been idle a while they are timed again, with growing waits between
   tries; the model is swapped only where the new plans differ.
 
-A swap reads the model's weights again, so for that moment the process holds two copies of its
-packed linears and experts (each layer's experts packed as read, ``gpu/model_loader.py``); a
-quantized model's int8 embedding and head are taken from the model it replaces, not read twice.
+A swap reads the model's weights again. What the model it replaces holds already is taken from
+it rather than held twice (``LoadOptions.reuse``): a quantized model's int8 embedding and head,
+and each quantized linear's and expert's packed layouts that its new plan uses too. The rest (a
+float model's linears, layouts the new plans choose afresh) is held twice until the swap.
 """
 
 from __future__ import annotations

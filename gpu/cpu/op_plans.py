@@ -29,7 +29,7 @@ from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from tidal.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, silu_and_mul
 from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.head import plan_head
-from tidal.gpu.quantization.linear import plan_quant_linears
+from tidal.gpu.quantization.planner import plan_quant_linears
 
 if TYPE_CHECKING:
     from tidal.gpu.cpu.backend import CpuBackend

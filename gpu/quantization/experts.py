@@ -31,7 +31,8 @@ from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.layers import ClampedSwiGLU, silu_and_mul
 from tidal.gpu.moe import MoE
 from tidal.gpu.moe_weights import ExpertSlot
-from tidal.gpu.quantization.linear import DOT, QuantLinear, QuantPlanner
+from tidal.gpu.quantization.linear import DOT, QuantLinear
+from tidal.gpu.quantization.planner import QuantPlanner
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, cat_rows, quantize
 
 # the fused form's stacked experts (transformers 5's names; gpt-oss's once in our layout)
@@ -147,11 +148,14 @@ class ExpertCollector:
     to (``layers.0.mlp.experts.gate_up_proj``), by (expert, gate or up half). With a
     ``planner``, a stacked parameter's experts are made ``QuantLinear`` layers and packed for
     their plans as soon as all of them are read, so a load holds one layer's unpacked values
-    at a time, not the whole model's."""
+    at a time, not the whole model's. Each expert borrows the packed layouts of its
+    counterpart in ``lender`` (the model serving while this one is prepared, read from the
+    same checkpoint), so the two models hold one copy of the experts, not two."""
 
     model: nn.Module
     dtype: torch.dtype
     planner: QuantPlanner | None = None
+    lender: nn.Module | None = None
     parts: dict[str, dict[tuple[int, int | None], QuantizedWeight]] = field(default_factory=dict)
     built: dict[str, list[QuantLinear]] = field(default_factory=dict)
 
@@ -190,11 +194,22 @@ class ExpertCollector:
         layers = []
         for e in range(len(want) // len(halves)):  # gate rows, then up (cat_rows of one: itself)
             layer = QuantLinear(cat_rows([parts.pop((e, h)) for h in halves]), None, self.dtype)
+            layer.borrow(counterpart(self.lender, f"{target}.{e}"))
             if self.planner is not None:
                 self.planner.plan(layer)
             layers.append(layer)
         _check_shapes(target, layers, self.model.get_submodule(_block(target)).gate.in_features)
         return layers
+
+
+def counterpart(model: nn.Module | None, path: str) -> nn.Module | None:
+    """``model``'s module at ``path`` (``layers.0.mlp.experts.gate_up_proj.3``), if it has one."""
+    if model is None:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _block(target: str) -> str:

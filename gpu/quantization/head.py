@@ -41,8 +41,8 @@ from tidal.gpu.quantization.linear import (
     QuantPacks,
     candidate_methods,
     planned_forward,
-    quant_candidates,
 )
+from tidal.gpu.quantization.planner import quant_candidates
 from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int8
 
 # Methods that multiply from the weight's plain int8 rows, which the embedding reads too

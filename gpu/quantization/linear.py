@@ -32,16 +32,13 @@ Where the kernels are built, each layer's dispatch is a C++ ``PlannedLinear`` ov
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import load_cpu_kernels
-from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
-from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan
 from tidal.gpu.quantization.weights import QuantizedWeight
 
 ATEN = "aten"
@@ -127,23 +124,25 @@ def _aten_fits(w: QuantizedWeight) -> bool:
 
 
 class QuantPacks:
-    """A quantized weight in the layouts that ``methods`` name, for activations of ``dtype``."""
+    """A quantized weight in the layouts that ``methods`` name, for activations of ``dtype``;
+    those that ``lent`` (the same weight's packs) has already are taken from it, not made."""
 
-    def __init__(self, weight: QuantizedWeight, methods: set[str], dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight, methods: set[str], dtype: torch.dtype,
+                 lent: QuantPacks | None = None) -> None:
         self.format = weight
         self.bits, self.group_size = weight.bits, weight.group_size
         self.out_features = weight.shape[0]
         self.kernels = load_cpu_kernels() if weight.q.device.type == "cpu" else None
-        self.tidal = (pack_for_kernel(weight, *self.kernels.quant_linear_tile())
-                      if KERNELS in methods else None)
-        self.aten = _aten_pack(weight, dtype) if ATEN in methods else None
-        self.dot = (pack_for_dot(weight, *dot_tile(self.kernels))
-                    if DOT in methods else None)
-        self.triton = None
-        if TRITON in methods:
-            from tidal.gpu.quantization.triton_linear import pack_for_triton
-
-            self.triton = pack_for_triton(weight)
+        self.tidal = self.aten = self.dot = self.triton = None
+        makers = {KERNELS: ("tidal", lambda: pack_for_kernel(
+                      weight, *self.kernels.quant_linear_tile())),
+                  ATEN: ("aten", lambda: _aten_pack(weight, dtype)),
+                  DOT: ("dot", lambda: pack_for_dot(weight, *dot_tile(self.kernels))),
+                  TRITON: ("triton", lambda: _triton_pack(weight))}
+        for method in methods & makers.keys():
+            layout, make = makers[method]
+            have = getattr(lent, layout, None)
+            setattr(self, layout, have if have is not None else make())
 
     def run(self, method: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` by ``method``, from Python (for timing, and where no kernels exist)."""
@@ -176,6 +175,12 @@ class QuantPacks:
             *((w.q, w.scales, w.offsets) if w is not None else (None, None, None)),
             *(self.dot or (None, None)))
         return self.kernels.PlannedLinear(bias, pack, [CSRC_METHODS[m] for m in plan.by_rows()])
+
+
+def _triton_pack(w: QuantizedWeight) -> object:
+    from tidal.gpu.quantization.triton_linear import pack_for_triton
+
+    return pack_for_triton(w)
 
 
 def pack_for_kernel(w: QuantizedWeight, lanes: int, rows: int
@@ -289,6 +294,7 @@ class QuantLinear(nn.Module):
         # Packed when planned (a model planned on the CPU is packed once, for its plan), else
         # on the first call.
         self.packs: QuantPacks | None = None
+        self.lent: QuantPacks | None = None  # layouts to take rather than make (``borrow``)
         self.kernel = None  # the C++ PlannedLinear over the packs, which the decode step calls
         if plan is not None:
             self.replan(plan)
@@ -305,10 +311,23 @@ class QuantLinear(nn.Module):
         if self.weight_format is None:
             raise RuntimeError("this layer was planned already: its weight's own form is gone")
         self.plan = plan
-        self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype)
+        self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype, self.lent)
+        self.lent = None
         if TORCH not in plan.used():
             self.packs.format = self.weight_format = None
         self.kernel = self.packs.kernel(self.bias, plan)
+
+    def borrow(self, lender: nn.Module | None) -> None:
+        """Take ``lender``'s packed layouts when planned, those its plan uses too, rather than
+        packing them again, where ``lender`` is this layer read from the same checkpoint and
+        quantized alike (the model that serves while this one is prepared): one copy held by
+        both, not two."""
+        if isinstance(lender, QuantLinear) and lender.packs is not None and (
+                lender.kind() == self.kind()):
+            self.lent = lender.packs
+
+    def kind(self) -> tuple:
+        return (self.out_features, self.in_features, self.format_name, self.bits, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return planned_forward(self, x, self.bias)
@@ -333,68 +352,3 @@ def planned_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     else:
         y = layer.packs.run(layer.plan.pick(rows.shape[0]), rows, bias)
     return y.view(*x.shape[:-1], layer.out_features)
-
-
-def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[str]
-                     ) -> Callable[[int], dict[str, Callable[[], object]]]:
-    """For the selector: each method's call on ``rows`` random rows, over a random weight of
-    ``weight``'s format (capped at ``TIMED_MAX_OUT_FEATURES`` outputs)."""
-    n = min(weight.shape[0], TIMED_MAX_OUT_FEATURES)
-    sample = weight.narrow_rows(0, n)
-    packs = QuantPacks(sample, set(methods), dtype)
-    gen = torch.Generator().manual_seed(0)
-
-    def candidates(rows: int) -> dict[str, Callable[[], object]]:
-        x = torch.randn(rows, weight.shape[1], generator=gen).to(dtype)
-        return {m: (lambda m=m: packs.run(m, x, None)) for m in methods}
-
-    return candidates
-
-
-class QuantPlanner:
-    """Plans ``QuantLinear`` layers one at a time, each (shape, format, dtype) timed once
-    (``auto`` with a ``cache``; else the first candidate), and packs each for its plan at
-    once: the loader plans a MoE layer's experts as soon as they are read, so their unpacked
-    values never pile up (``gpu/model_loader.py``). ``one_layout``: keep one layout per
-    weight (the model's quantized weights pass ``TWO_LAYOUTS_MAX_BYTES``)."""
-
-    def __init__(self, max_rows: int, cache: PlanCache | None, one_layout: bool) -> None:
-        self.cache = cache if selector.mode() == "auto" else None
-        self.buckets = selector.row_buckets(max_rows)
-        self.one_layout = one_layout
-        self.plans: dict[str, Plan] = {}
-
-    def plan(self, layer: QuantLinear) -> None:
-        """Set ``layer``'s plan and pack it for that plan (a planned layer keeps its own)."""
-        w = layer.weight_format
-        if w is None or layer.plan_name is not None:  # planned already (as it was read)
-            if layer.plan_name is not None:
-                self.plans.setdefault(layer.plan_name, layer.plan)
-            return
-        methods = candidate_methods(w, w.q.device, layer.dtype)
-        name = "qlinear {}x{} {}|{}|{}".format(
-            layer.out_features, layer.in_features, layer.format_name,
-            str(layer.dtype).removeprefix("torch."), ",".join(methods))
-        if name not in self.plans:
-            timed = self.cache is not None and len(methods) > 1
-            plan = (self.cache.get_or_choose(name, self.buckets,
-                                             quant_candidates(w, layer.dtype, methods))
-                    if timed else Plan.always(methods[0]))
-            self.plans[name] = Plan.always(plan.single()) if self.one_layout else plan
-        layer.plan_name = name
-        layer.replan(self.plans[name])
-
-
-def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None,
-                       two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
-    """Time each distinct quantized (shape, format, dtype) once (``auto`` with a ``cache``) and
-    give every ``QuantLinear`` of ``model`` its plan; ``force`` and ``off`` keep the first
-    candidate. Quantized weights of more than ``two_layouts_max_bytes`` in all keep one layout
-    each (a plan over two keeps two copies). Returns the plans by name, for the table (those
-    of layers planned as they were read too)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    one_layout = sum(m.format_nbytes for m in layers) > two_layouts_max_bytes
-    planner = QuantPlanner(max_rows, cache, one_layout)
-    for layer in layers:
-        planner.plan(layer)
-    return planner.plans

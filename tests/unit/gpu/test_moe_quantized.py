@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from tests.unit.gpu.test_mxfp4 import _write_mxfp4_twins
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import PackedLinear
@@ -290,3 +291,59 @@ def test_blocks_the_compiled_form_cannot_run_keep_the_python_path():
     other.activation = ClampedSwiGLU(1.0)
     experts_module.compile_blocks(other)
     assert other.block is not None
+
+
+def _quant_linears(model: torch.nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _layout_tensors(packs: QuantPacks) -> list[torch.Tensor]:
+    return [t for layout in (packs.tidal, packs.aten, packs.dot) for t in layout or ()]
+
+
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "int8"), ("gpt_oss", "int8"),
+                                         ("gpt_oss", "mxfp4")])
+def test_an_upgrade_holds_the_serving_models_packed_layouts_not_a_copy(arch, method, tmp_path):
+    """A model read again for its timed plans while the first serves (``LoadOptions.reuse``)
+    takes the first's packed experts and quantized linears, layout for layout where its plans
+    use the same (the two hold one copy, not two), and runs as the first does; a model
+    quantized otherwise borrows nothing. gpt-oss's MXFP4 experts as published too."""
+    path = build_model_dir(tmp_path / "float", arch, hidden_size=128, head_dim=32)
+    quantization = "int8"
+    if method == "mxfp4":
+        _write_mxfp4_twins(path, tmp_path / "mxfp4")
+        path, quantization = tmp_path / "mxfp4", None
+    cfg = ModelConfig.from_dir(path)
+    first = load_model(path, cfg, _options(quantization=quantization, timed=False)).model
+    second = load_model(path, cfg, _options(quantization=quantization, timed=False,
+                                            reuse=first)).model
+    ours, theirs = _quant_linears(second), _quant_linears(first)
+    assert len(ours) == len(theirs) and any(".experts." in name for name in ours)
+    for name, layer in ours.items():
+        lent, taken = _layout_tensors(theirs[name].packs), _layout_tensors(layer.packs)
+        assert lent and len(taken) == len(lent)
+        assert all(a is b for a, b in zip(taken, lent)), name
+        assert layer.lent is None  # let go once packed
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for block, twin in zip((m for m in second.modules() if isinstance(m, MoE)),
+                               (m for m in first.modules() if isinstance(m, MoE))):
+            assert torch.equal(block(x), twin(x))
+    if method == "mxfp4":
+        return  # its experts are MXFP4 under any --quantization
+    other = load_model(path, cfg, _options(quantization="int4", timed=False, reuse=first)).model
+    held = {id(t) for layer in theirs.values() for t in _layout_tensors(layer.packs)}
+    assert not any(id(t) in held for layer in _quant_linears(other).values()
+                   for t in _layout_tensors(layer.packs))
+
+
+@pytest.mark.skipif(not _dot_built(), reason="needs the C++ dot kernel (x86 with AVX2)")
+def test_packs_take_the_lent_layouts_they_use_and_make_the_others():
+    """``QuantPacks(lent=...)``: a layout the lender has is taken as it is; one it lacks is
+    made from the weight, equal to a pack made without a lender."""
+    w = quantize(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)), "int8")
+    lender = QuantPacks(w, {KERNELS}, torch.float32)
+    packs = QuantPacks(w, {KERNELS, DOT}, torch.float32, lent=lender)
+    assert packs.tidal is lender.tidal and packs.aten is None
+    alone = QuantPacks(w, {DOT}, torch.float32)
+    assert lender.dot is None and all(torch.equal(a, b) for a, b in zip(packs.dot, alone.dot))

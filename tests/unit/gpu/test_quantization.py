@@ -13,9 +13,9 @@ from tidal.gpu.quantization.linear import (
     DOT,
     QuantLinear,
     candidate_methods,
-    plan_quant_linears,
     round_activations,
 )
+from tidal.gpu.quantization.planner import plan_quant_linears
 from tidal.gpu.quantization.weights import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 
 

@@ -1,0 +1,85 @@
+"""Plans for quantized linears: each distinct (shape, format, dtype) timed once on this host
+(``gpu/cpu/selector.py``), every ``QuantLinear`` of that kind given the plan and packed for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
+from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.quantization.linear import (
+    TIMED_MAX_OUT_FEATURES,
+    QuantLinear,
+    QuantPacks,
+    candidate_methods,
+)
+from tidal.gpu.quantization.weights import QuantizedWeight
+
+
+def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[str]
+                     ) -> Callable[[int], dict[str, Callable[[], object]]]:
+    """For the selector: each method's call on ``rows`` random rows, over a random weight of
+    ``weight``'s format (capped at ``TIMED_MAX_OUT_FEATURES`` outputs)."""
+    n = min(weight.shape[0], TIMED_MAX_OUT_FEATURES)
+    sample = weight.narrow_rows(0, n)
+    packs = QuantPacks(sample, set(methods), dtype)
+    gen = torch.Generator().manual_seed(0)
+
+    def candidates(rows: int) -> dict[str, Callable[[], object]]:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(dtype)
+        return {m: (lambda m=m: packs.run(m, x, None)) for m in methods}
+
+    return candidates
+
+
+class QuantPlanner:
+    """Plans ``QuantLinear`` layers one at a time, each (shape, format, dtype) timed once
+    (``auto`` with a ``cache``; else the first candidate), and packs each for its plan at
+    once: the loader plans a MoE layer's experts as soon as they are read, so their unpacked
+    values never pile up (``gpu/model_loader.py``). ``one_layout``: keep one layout per
+    weight (the model's quantized weights pass ``TWO_LAYOUTS_MAX_BYTES``)."""
+
+    def __init__(self, max_rows: int, cache: PlanCache | None, one_layout: bool) -> None:
+        self.cache = cache if selector.mode() == "auto" else None
+        self.buckets = selector.row_buckets(max_rows)
+        self.one_layout = one_layout
+        self.plans: dict[str, Plan] = {}
+
+    def plan(self, layer: QuantLinear) -> None:
+        """Set ``layer``'s plan and pack it for that plan (a planned layer keeps its own)."""
+        w = layer.weight_format
+        if w is None or layer.plan_name is not None:  # planned already (as it was read)
+            if layer.plan_name is not None:
+                self.plans.setdefault(layer.plan_name, layer.plan)
+            return
+        methods = candidate_methods(w, w.q.device, layer.dtype)
+        name = "qlinear {}x{} {}|{}|{}".format(
+            layer.out_features, layer.in_features, layer.format_name,
+            str(layer.dtype).removeprefix("torch."), ",".join(methods))
+        if name not in self.plans:
+            timed = self.cache is not None and len(methods) > 1
+            plan = (self.cache.get_or_choose(name, self.buckets,
+                                             quant_candidates(w, layer.dtype, methods))
+                    if timed else Plan.always(methods[0]))
+            self.plans[name] = Plan.always(plan.single()) if self.one_layout else plan
+        layer.plan_name = name
+        layer.replan(self.plans[name])
+
+
+def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None,
+                       two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
+    """Time each distinct quantized (shape, format, dtype) once (``auto`` with a ``cache``) and
+    give every ``QuantLinear`` of ``model`` its plan; ``force`` and ``off`` keep the first
+    candidate. Quantized weights of more than ``two_layouts_max_bytes`` in all keep one layout
+    each (a plan over two keeps two copies). Returns the plans by name, for the table (those
+    of layers planned as they were read too)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    one_layout = sum(m.format_nbytes for m in layers) > two_layouts_max_bytes
+    planner = QuantPlanner(max_rows, cache, one_layout)
+    for layer in layers:
+        planner.plan(layer)
+    return planner.plans
