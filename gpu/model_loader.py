@@ -232,7 +232,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, weights: Iterable[tuple[st
             loaded.add(target)
             continue
         if quantized and target == "lm_head.weight":  # an untied head: int8 alone
-            model.lm_head = QuantHead(_int8_rows(value, reuse, "lm_head"), dtype, tied=False)
+            model.lm_head = _untied_head(value, reuse, dtype)
             loaded.add(target)
             continue
         if quantized and target == "embed_tokens.weight":  # an untied embedding: int8 rows
@@ -282,6 +282,15 @@ def _int8_rows(value: Weight, reuse: nn.Module | None, layer: str) -> QuantizedW
     if isinstance(weight, QuantizedWeight) and weight.shape == tuple(value.shape):
         return weight
     return quantize_head(value)
+
+
+def _untied_head(value: Weight, reuse: nn.Module | None, dtype: torch.dtype) -> QuantHead:
+    """An untied head as int8 rows (``_int8_rows``); where ``reuse``'s head has let its rows go
+    for its packed layouts, one that borrows those (``QuantHead.borrowing``)."""
+    lender = getattr(reuse, "lm_head", None)
+    if isinstance(lender, QuantHead) and lender.can_lend(tuple(value.shape), dtype):
+        return QuantHead.borrowing(lender, value, dtype)
+    return QuantHead(_int8_rows(value, reuse, "lm_head"), dtype, tied=False)
 
 
 def _takes_quantized(target: str) -> bool:

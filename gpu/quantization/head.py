@@ -31,19 +31,21 @@ import torch
 from torch import nn
 
 from tidal.gpu.cpu import selector
+from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
 from tidal.gpu.cpu.selector import TORCH, Plan, PlanCache
 from tidal.gpu.distributed import tensor_parallel
 from tidal.gpu.layers import vocab_parallel_lookup
 from tidal.gpu.quantization.linear import (
     ATEN,
+    TIMED_MAX_OUT_FEATURES,
     QuantLinear,
     QuantPacks,
     candidate_methods,
     planned_forward,
 )
 from tidal.gpu.quantization.planner import quant_candidates
-from tidal.gpu.quantization.weights import QuantizedWeight, quantize_int8
+from tidal.gpu.quantization.weights import QuantizedWeight, Weight, quantize_int8
 
 # Methods that multiply from the weight's plain int8 rows, which the embedding reads too
 PLAIN_ROW_METHODS = (ATEN, TORCH)
@@ -125,16 +127,51 @@ class QuantHead(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.plan = Plan.always(candidate_methods(weight, weight.q.device, dtype)[0])
+        self.methods: list[str] | None = None  # the candidates its plan was chosen among
         self.packs: QuantPacks | None = None
         self.kernel = None  # the C++ PlannedLinear over the packs, where the kernels are built
+        # a head borrowing another's layouts (``borrowing``): the checkpoint's rows, quantized
+        # only where its plan needs a layout the lender lacks, and a sample to time it on
+        self.source: Weight | None = None
+        self.sample: QuantizedWeight | None = None
+        self.lent: QuantPacks | None = None
+
+    def can_lend(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a head of ``shape`` and ``dtype`` read again may borrow this one's layouts
+        (``borrowing``): it let its rows go for them, and its candidates were found with the
+        kernels loaded now (not before they were built)."""
+        return (self.weight_format is None and self.packs is not None
+                and self.methods is not None and self.packs.kernels is load_cpu_kernels()
+                and self.dtype == dtype and (self.out_features, self.in_features) == shape)
+
+    @classmethod
+    def borrowing(cls, lender: QuantHead, source: Weight, dtype: torch.dtype) -> QuantHead:
+        """An untied head read again beside ``lender`` (the same checkpoint's, whose plan let
+        its int8 weight go): timed on a sample of ``source``'s rows among ``lender``'s
+        candidates, it takes ``lender``'s packed layouts where its plan uses them and
+        quantizes the whole of ``source`` only where it needs another. The upgrade of a
+        gpt-oss model neither reads its 1.2 GB head again nor holds its int8 rows twice."""
+        rows = min(source.shape[0], TIMED_MAX_OUT_FEATURES)
+        sample = quantize_head(source.narrow_rows(0, rows) if isinstance(source, QuantizedWeight)
+                               else source[:rows])
+        head = cls(sample, dtype, tied=False)
+        head.weight_format, head.sample, head.source = None, sample, source
+        head.out_features, head.format_nbytes = lender.out_features, lender.format_nbytes
+        head.plan, head.methods, head.lent = lender.plan, lender.methods, lender.packs
+        return head
 
     def replan(self, plan: Plan) -> None:
         """Pack for ``plan``: a tied head keeps the plain weight whatever it uses; an untied
         one only where the plan runs torch's path, which dequantizes from it."""
-        if self.weight_format is None:
+        if self.weight_format is None and self.source is None:
             raise RuntimeError("this head was planned already: its weight's own form is gone")
         self.plan = plan
-        self.packs = QuantPacks(self.weight_format, plan.used(), self.dtype)
+        packs = self.lent.only(plan.used()) if self.lent is not None else None
+        if packs is None:
+            if self.weight_format is None:
+                self.weight_format = quantize_head(self.source)
+            packs = QuantPacks(self.weight_format, plan.used(), self.dtype, self.lent)
+        self.packs, self.lent, self.source, self.sample = packs, None, None, None
         if not self.tied and TORCH not in plan.used():
             self.packs.format = self.weight_format = None
         self.kernel = self.packs.kernel(None, plan)
@@ -171,13 +208,14 @@ def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     head = model.lm_head
     if not isinstance(head, QuantHead):
         return {}
-    w = head.weight_format
+    w = head.weight_format if head.weight_format is not None else head.sample
     assert w is not None, "the head was planned already"
     linears = sum(m.format_nbytes for m in model.modules() if isinstance(m, QuantLinear))
-    one_layout = linears + w.nbytes > two_layouts_max_bytes
-    methods = candidate_methods(w, w.q.device, head.dtype)
+    one_layout = linears + head.format_nbytes > two_layouts_max_bytes
+    methods = head.methods or candidate_methods(w, w.q.device, head.dtype)
     if one_layout and head.dtype != torch.float32 and head.tied:
         methods = [m for m in methods if m in PLAIN_ROW_METHODS]
+    head.methods = methods
     name = "qlinear {}x{} int8|{}|{}".format(head.out_features, head.in_features,
                                              str(head.dtype).removeprefix("torch."),
                                              ",".join(methods))

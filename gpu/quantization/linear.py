@@ -31,6 +31,7 @@ Where the kernels are built, each layer's dispatch is a C++ ``PlannedLinear`` ov
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import torch
@@ -50,6 +51,7 @@ METHODS = (KERNELS, DOT, ATEN, TRITON, TORCH)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations tidal's kernels take
 CSRC_METHODS = {KERNELS: 4, ATEN: 5, TORCH: 6, DOT: 7}  # csrc's LinearMethod of each
+LAYOUTS = {KERNELS: "tidal", ATEN: "aten", DOT: "dot", TRITON: "triton"}  # QuantPacks' fields
 FLOAT16_MAX = 65504.0
 ATEN_INT4_GROUPS = (32, 64, 128, 256)
 # Weights are timed with at most this many output features (the time grows in proportion).
@@ -134,15 +136,25 @@ class QuantPacks:
         self.out_features = weight.shape[0]
         self.kernels = load_cpu_kernels() if weight.q.device.type == "cpu" else None
         self.tidal = self.aten = self.dot = self.triton = None
-        makers = {KERNELS: ("tidal", lambda: pack_for_kernel(
-                      weight, *self.kernels.quant_linear_tile())),
-                  ATEN: ("aten", lambda: _aten_pack(weight, dtype)),
-                  DOT: ("dot", lambda: pack_for_dot(weight, *dot_tile(self.kernels))),
-                  TRITON: ("triton", lambda: _triton_pack(weight))}
-        for method in methods & makers.keys():
-            layout, make = makers[method]
-            have = getattr(lent, layout, None)
-            setattr(self, layout, have if have is not None else make())
+        makers = {KERNELS: lambda: pack_for_kernel(weight, *self.kernels.quant_linear_tile()),
+                  ATEN: lambda: _aten_pack(weight, dtype),
+                  DOT: lambda: pack_for_dot(weight, *dot_tile(self.kernels)),
+                  TRITON: lambda: _triton_pack(weight)}
+        for method in methods & LAYOUTS.keys():
+            have = getattr(lent, LAYOUTS[method], None)
+            setattr(self, LAYOUTS[method], have if have is not None else makers[method]())
+
+    def only(self, methods: set[str]) -> QuantPacks | None:
+        """A copy holding only the layouts ``methods`` name, or None where this lacks one of
+        them or they need the weight's own form (torch's path) that this no longer holds."""
+        if any(getattr(self, LAYOUTS[m], None) is None if m in LAYOUTS else self.format is None
+               for m in methods):
+            return None
+        packs = copy.copy(self)
+        for method, layout in LAYOUTS.items():
+            if method not in methods:
+                setattr(packs, layout, None)
+        return packs
 
     def run(self, method: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` by ``method``, from Python (for timing, and where no kernels exist)."""

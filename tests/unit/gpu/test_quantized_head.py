@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from tidal.gpu import model_loader as loader_module
 from tidal.gpu.attention import get_attention_backend
 from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 from tidal.gpu.cpu.kernels import load_cpu_kernels
-from tidal.gpu.cpu.selector import TORCH, PlanCache
+from tidal.gpu.cpu.selector import KERNELS, TORCH, Plan, PlanCache
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model, read_model
+from tidal.gpu.quantization import head as head_module
 from tidal.gpu.quantization.head import (
     PLAIN_ROW_METHODS,
     QuantEmbedding,
@@ -24,7 +26,12 @@ from tidal.gpu.quantization.head import (
     plan_head,
     quantize_head,
 )
-from tidal.gpu.quantization.linear import DOT, candidate_methods, round_activations
+from tidal.gpu.quantization.linear import (
+    DOT,
+    TIMED_MAX_OUT_FEATURES,
+    candidate_methods,
+    round_activations,
+)
 from tidal.gpu.quantization.weights import quantize_int8
 from tidal.gpu.random_model import build_model_dir
 
@@ -132,6 +139,58 @@ def test_an_upgrade_takes_the_int8_rows_of_the_model_it_replaces(tied_dir, tmp_p
             quantization="int4", reuse=first))
         assert second.lm_head.weight_format is first.lm_head.weight_format
         assert second.embed_tokens.weight_format is first.embed_tokens.weight_format
+
+
+def test_an_upgrade_borrows_the_packed_untied_head_it_replaces(tmp_path, monkeypatch):
+    """An untied head planned onto packed layouts lets its int8 rows go, so the model read
+    again for its timed plans cannot take them: it borrows the packed layouts instead
+    (``QuantHead.borrowing``), quantizing only a sample of rows to time on, never the whole
+    head again; its logits are the first model's, bit for bit."""
+    path = build_model_dir(tmp_path, "qwen2", hidden_size=128)
+    cfg = ModelConfig.from_dir(path)
+
+    def load(reuse=None):
+        return load_model(path, cfg, LoadOptions(
+            get_attention_backend("cpu", "cpu"), 512, torch.bfloat16, "cpu",
+            quantization="int8", reuse=reuse)).model
+
+    first = load()
+    lender = first.lm_head
+    assert lender.weight_format is None and lender.methods  # packed, rows let go
+    quantized_rows = []
+    real = head_module.quantize_head
+    for module in (head_module, loader_module):
+        monkeypatch.setattr(module, "quantize_head",
+                            lambda w: quantized_rows.append(w.shape[0]) or real(w))
+    second = load(reuse=first).lm_head
+    assert second.plan.used() == lender.plan.used()
+    for layout in ("tidal", "dot", "aten"):
+        assert getattr(second.packs, layout) is getattr(lender.packs, layout)
+    assert quantized_rows == [min(cfg.vocab_size, TIMED_MAX_OUT_FEATURES)]  # the sample alone
+    assert second.sample is None and second.source is None and second.lent is None
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(second(x.bfloat16()), lender(x.bfloat16()))
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+def test_a_borrowing_head_quantizes_its_rows_for_a_layout_the_lender_lacks():
+    """Planned onto a layout its lender has, a borrowing head takes it; onto another, it
+    quantizes the whole of its rows and packs them as a head of its own would be."""
+    source = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    lender = QuantHead(quantize_head(source), torch.bfloat16, tied=False)
+    lender.methods = [KERNELS, DOT, TORCH]
+    lender.replan(Plan.always(KERNELS))
+    same = QuantHead.borrowing(lender, source, torch.bfloat16)
+    same.replan(Plan.always(KERNELS))
+    assert same.packs.tidal is lender.packs.tidal and same.weight_format is None
+    other = QuantHead.borrowing(lender, source, torch.bfloat16)
+    other.replan(Plan.always(DOT))
+    alone = QuantHead(quantize_head(source), torch.bfloat16, tied=False)
+    alone.replan(Plan.always(DOT))
+    assert other.packs.tidal is None
+    assert all(torch.equal(a, b) for a, b in zip(other.packs.dot, alone.packs.dot))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(other(x), alone(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
