@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.gpu.checkpoints.mapped_pages import MappedPages
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
@@ -54,7 +55,8 @@ QUANTIZE_ROWS = 8192  # rows quantized at a time, to bound the float temporaries
 
 def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
     """``weight`` (``[vocab, hidden]``) as symmetric int8 with one scale per row, quantized
-    ``QUANTIZE_ROWS`` rows at a time (rows are independent, so the result is the same)."""
+    ``QUANTIZE_ROWS`` rows at a time (rows are independent, so the result is the same); the
+    checkpoint's mapped pages of each are let go once read (``MappedPages``)."""
     if isinstance(weight, QuantizedWeight):
         if weight.bits == 8 and weight.per_channel and weight.offsets is None:
             return weight
@@ -62,9 +64,11 @@ def quantize_head(weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
     rows, cols = weight.shape
     q = torch.empty(rows, cols, dtype=torch.int8, device=weight.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=weight.device)
+    pages = MappedPages()
     for i in range(0, rows, QUANTIZE_ROWS):  # into place: no second copy to concatenate
         part = quantize_int8(weight[i:i + QUANTIZE_ROWS])
         q[i:i + QUANTIZE_ROWS], scales[i:i + QUANTIZE_ROWS] = part.q, part.scales
+        pages.let_go(weight[i:i + QUANTIZE_ROWS])
     return QuantizedWeight(8, cols, q, scales)
 
 
