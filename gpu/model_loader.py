@@ -109,12 +109,15 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, options: LoadOptions) ->
     rest of the model's ops are planned with after."""
     if not can_pack(options.device, options.dtype):
         return LoadedModel(read_model(model_dir, cfg, options), None)
-    timed = options.timed and selector.mode() == "auto"
+    auto = selector.mode() == "auto"
+    timed = options.timed and auto
+    # untimed under auto, this host's plans still say how its quantized linears ran best
     cache = options.plan_cache if options.plan_cache is not None else (
-        PlanCache() if timed else None)
+        PlanCache() if auto else None)
     # used where the experts stay quantized (read_model decides)
     planner = (lambda nbytes: QuantPlanner(options.max_rows, cache if timed else None,
-                                           nbytes > TWO_LAYOUTS_MAX_BYTES))
+                                           nbytes > TWO_LAYOUTS_MAX_BYTES,
+                                           hints=None if timed else cache))
     model = read_model(model_dir, cfg, options, planner)
     cpu = prepare_for_cpu(model, options.max_rows, options.max_seqs, cache, options.timed)
     return LoadedModel(model, cpu)

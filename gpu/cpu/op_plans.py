@@ -74,11 +74,12 @@ def plan_model(model: nn.Module, max_rows: int, max_seqs: int,
     start = time.perf_counter()
     auto = selector.mode() == "auto" and timed
     cache = cache if cache is not None else (PlanCache() if auto else None)
+    hints = cache if not auto else None  # untimed: quantized linears as this host measured
     linears = pack_linear_layers(model, max_rows, cache if auto else None)
     plans: dict[str, Plan] = {f"linear {m.out_features}x{m.in_features}": m.plan
                               for m in linears}
-    plans.update(plan_head(model, max_rows, cache if auto else None))
-    plans.update(plan_quant_linears(model, max_rows, cache if auto else None))
+    plans.update(plan_head(model, max_rows, cache if auto else None, hints=hints))
+    plans.update(plan_quant_linears(model, max_rows, cache if auto else None, hints=hints))
     kernels = load_cpu_kernels()
     dtype = model.layers[0].input_layernorm.weight.dtype  # a pipeline stage may have no norm
     if auto and kernels is not None and cache is not None:

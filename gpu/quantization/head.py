@@ -45,7 +45,7 @@ from tidal.gpu.quantization.linear import (
     candidate_methods,
     planned_forward,
 )
-from tidal.gpu.quantization.planner import quant_candidates
+from tidal.gpu.quantization.planner import quant_candidates, untimed_plan
 from tidal.gpu.quantization.weights import QuantizedWeight, Weight, quantize_int8
 
 # Methods that multiply from the weight's plain int8 rows, which the embedding reads too
@@ -205,10 +205,12 @@ def install_tied_head(model: nn.Module, weight: QuantizedWeight, dtype: torch.dt
 
 
 def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
-              two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
+              two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES,
+              hints: PlanCache | None = None) -> dict[str, Plan]:
     """Time and set the plan of the model's ``QuantHead``, if it has one (``auto`` with a
-    ``cache``; else the first candidate). Call before the decoder linears are planned: whether
-    the model keeps one layout per weight counts their bytes. Returns the plan by name."""
+    ``cache``; untimed, ``untimed_plan`` from ``hints``; else the first candidate). Call
+    before the decoder linears are planned: whether the model keeps one layout per weight
+    counts their bytes. Returns the plan by name."""
     head = model.lm_head
     if not isinstance(head, QuantHead):
         return {}
@@ -224,9 +226,9 @@ def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
                                              str(head.dtype).removeprefix("torch."),
                                              ",".join(methods))
     timed = selector.mode() == "auto" and cache is not None and len(methods) > 1
-    plan = (cache.get_or_choose(name, selector.row_buckets(max_rows),
-                                quant_candidates(w, head.dtype, methods))
-            if timed else Plan.always(methods[0]))
+    buckets = selector.row_buckets(max_rows)
+    plan = (cache.get_or_choose(name, buckets, quant_candidates(w, head.dtype, methods))
+            if timed else untimed_plan(name, methods, buckets, hints))
     if one_layout:
         plan = Plan.always(plan.single())
     head.replan(plan)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -36,15 +37,37 @@ def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[
     return candidates
 
 
+def untimed_plan(name: str, methods: list[str], buckets: list[int],
+                 hints: PlanCache | None) -> Plan:
+    """The plan of quantized linear ``name`` in a model loaded untimed: the first candidate,
+    or under ``auto`` with ``hints`` (this host's plans) what this host measured: the cached
+    plan of that name where it has one, else the choice its cached plans of the same format,
+    dtype and candidates make most often. A first start serves on such a model while its own
+    plans are timed, and the timed model borrows the layouts the two share
+    (``QuantLinear.borrow``): alike plans, one copy of the weights at the swap, not two."""
+    if hints is None or selector.mode() != "auto":
+        return Plan.always(methods[0])
+    cached = hints.plans.get(name)
+    if cached is not None and cached.covers(buckets) and cached.used() <= set(methods):
+        return cached
+    kind = name.split(" ", 2)[2]  # format|dtype|candidates
+    votes = Counter(plan.single() for key, plan in hints.plans.items()
+                    if key.startswith("qlinear ") and key.split(" ", 2)[2] == kind)
+    usual = [choice for choice, _ in votes.most_common() if choice in methods]
+    return Plan.always(usual[0] if usual else methods[0])
+
+
 class QuantPlanner:
     """Plans ``QuantLinear`` layers one at a time, each (shape, format, dtype) timed once
-    (``auto`` with a ``cache``; else the first candidate), and packs each for its plan at
-    once: the loader plans a MoE layer's experts as soon as they are read, so their unpacked
-    values never pile up (``gpu/model_loader.py``). ``one_layout``: keep one layout per
-    weight (the model's quantized weights pass ``TWO_LAYOUTS_MAX_BYTES``)."""
+    (``auto`` with a ``cache``; else ``untimed_plan`` from ``hints``), and packs each for its
+    plan at once: the loader plans a MoE layer's experts as soon as they are read, so their
+    unpacked values never pile up (``gpu/model_loader.py``). ``one_layout``: keep one layout
+    per weight (the model's quantized weights pass ``TWO_LAYOUTS_MAX_BYTES``)."""
 
-    def __init__(self, max_rows: int, cache: PlanCache | None, one_layout: bool) -> None:
+    def __init__(self, max_rows: int, cache: PlanCache | None, one_layout: bool,
+                 hints: PlanCache | None = None) -> None:
         self.cache = cache if selector.mode() == "auto" else None
+        self.hints = hints
         self.buckets = selector.row_buckets(max_rows)
         self.one_layout = one_layout
         self.plans: dict[str, Plan] = {}
@@ -64,22 +87,23 @@ class QuantPlanner:
             timed = self.cache is not None and len(methods) > 1
             plan = (self.cache.get_or_choose(name, self.buckets,
                                              quant_candidates(w, layer.dtype, methods))
-                    if timed else Plan.always(methods[0]))
+                    if timed else untimed_plan(name, methods, self.buckets, self.hints))
             self.plans[name] = Plan.always(plan.single()) if self.one_layout else plan
         layer.plan_name = name
         layer.replan(self.plans[name])
 
 
 def plan_quant_linears(model: nn.Module, max_rows: int, cache: PlanCache | None,
-                       two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES) -> dict[str, Plan]:
+                       two_layouts_max_bytes: int = TWO_LAYOUTS_MAX_BYTES,
+                       hints: PlanCache | None = None) -> dict[str, Plan]:
     """Time each distinct quantized (shape, format, dtype) once (``auto`` with a ``cache``) and
-    give every ``QuantLinear`` of ``model`` its plan; ``force`` and ``off`` keep the first
-    candidate. Quantized weights of more than ``two_layouts_max_bytes`` in all keep one layout
-    each (a plan over two keeps two copies). Returns the plans by name, for the table (those
-    of layers planned as they were read too)."""
+    give every ``QuantLinear`` of ``model`` its plan; untimed, ``untimed_plan`` from ``hints``;
+    ``force`` and ``off`` keep the first candidate. Quantized weights of more than
+    ``two_layouts_max_bytes`` in all keep one layout each (a plan over two keeps two copies).
+    Returns the plans by name, for the table (those of layers planned as they were read too)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     one_layout = sum(m.format_nbytes for m in layers) > two_layouts_max_bytes
-    planner = QuantPlanner(max_rows, cache, one_layout)
+    planner = QuantPlanner(max_rows, cache, one_layout, hints)
     for layer in layers:
         planner.plan(layer)
     return planner.plans

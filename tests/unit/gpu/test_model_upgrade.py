@@ -271,9 +271,11 @@ def test_steps_slower_than_when_the_plans_came_in_have_them_timed_again(monkeypa
     assert after == tokens and tokens[:8] == before
 
 
-def _served_on_noisy_plans(monkeypatch, tmp_path):
+def _served_on_noisy_plans(monkeypatch, tmp_path, retime_slower: str = "others"):
     """An engine whose first plans were timed noisy (torch's paths fastest), served a request
-    and waiting to time them again: (engine, runner)."""
+    and waiting to time them again, where ``retime_slower``'s kind will lose (noisy too):
+    (engine, runner). The timer is set before the request, whose swap schedules the re-time:
+    set after, a busy host could let the re-time start on the first one."""
     monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(selector, "_mode", None)
     monkeypatch.setattr(model_upgrade, "RETIME_AFTER_S", 0.2)
@@ -282,6 +284,7 @@ def _served_on_noisy_plans(monkeypatch, tmp_path):
     engine = _engine()
     runner = engine.executor.runner
     runner._upgrades.pending.future.result(timeout=300)
+    monkeypatch.setattr(selector, "host_timer", _scripted(retime_slower, 1.0))
     _greedy(engine, list(range(5, 25)), 3)
     assert runner._upgrades.retiming
     return engine, runner
@@ -307,9 +310,8 @@ def test_noisy_plans_timed_again_to_other_choices_stand_too(monkeypatch, tmp_pat
     """Noisy on both timings and choosing differently (candidates within the noise of each
     other): the second timing's plans are swapped in and stand, with no third timing (which
     would read the whole model again)."""
-    engine, runner = _served_on_noisy_plans(monkeypatch, tmp_path)
+    engine, runner = _served_on_noisy_plans(monkeypatch, tmp_path, "torch")  # kernels win
     first = runner.model
-    monkeypatch.setattr(selector, "host_timer", _scripted("torch", 1.0))  # kernels win, noisy
     runner._upgrades.pending.future.result(timeout=300)
     _greedy(engine, list(range(5, 25)), 3)
     assert runner.model is not first  # other choices: swapped in

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.unit.gpu.test_mxfp4 import _write_mxfp4_twins
 from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.cpu.packed_linear import PackedLinear
-from tidal.gpu.cpu.selector import Plan
+from tidal.gpu.cpu.selector import Plan, PlanCache
 from tidal.gpu.layers import ClampedSwiGLU, clamped_swiglu
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model, read_model
@@ -25,6 +26,7 @@ from tidal.gpu.moe import GATHERED, ExpertExtras, MoE, Routing, moe_reference, r
 from tidal.gpu.quantization import experts as experts_module
 from tidal.gpu.quantization.experts import ExpertLinears, QuantExperts, expert_bytes
 from tidal.gpu.quantization.linear import DOT, KERNELS, QuantLinear, QuantPacks
+from tidal.gpu.quantization.planner import untimed_plan
 from tidal.gpu.quantization.weights import quantize
 from tidal.gpu.random_model import build_model_dir
 
@@ -347,3 +349,58 @@ def test_packs_take_the_lent_layouts_they_use_and_make_the_others():
     assert packs.tidal is lender.tidal and packs.aten is None
     alone = QuantPacks(w, {DOT}, torch.float32)
     assert lender.dot is None and all(torch.equal(a, b) for a, b in zip(packs.dot, alone.dot))
+
+
+KIND = "int4g32|float32|tidal,dot,aten,torch"
+
+
+def test_an_untimed_plan_follows_what_this_host_measured(monkeypatch, tmp_path):
+    """Untimed under ``auto`` (a first start serving while its plans are timed), a quantized
+    linear takes this host's cached plan of its name, else the choice its cached plans of the
+    same kind make most often, else the first candidate; ``force`` always the first."""
+    monkeypatch.setattr(selector, "_mode", "auto")
+    hints = PlanCache(tmp_path, key={"host": "test"})
+    buckets = selector.row_buckets(8)
+    timed = Plan((1, 2, 4, 8), (DOT, DOT, DOT, KERNELS))
+    hints.plans.update({f"qlinear 64x64 {KIND}": timed, f"qlinear 96x64 {KIND}": Plan.always(DOT),
+                        f"qlinear 32x64 {KIND}": Plan.always(DOT),
+                        f"qlinear 80x64 {KIND}": Plan.always(DOT),
+                        f"qlinear 48x64 {KIND}": Plan.always(KERNELS),
+                        "qlinear 64x64 int8|float32|tidal,dot,aten,torch": Plan.always("aten")})
+    methods = [KERNELS, DOT, "aten", "torch"]
+    assert untimed_plan(f"qlinear 64x64 {KIND}", methods, buckets, hints) == timed  # its own
+    assert untimed_plan(f"qlinear 128x64 {KIND}", methods, buckets, hints) == Plan.always(DOT)
+    other_kind = "qlinear 128x64 int4g64|float32|tidal,dot,aten,torch"
+    assert untimed_plan(other_kind, methods, buckets, hints) == Plan.always(KERNELS)
+    assert untimed_plan(f"qlinear 128x64 {KIND}", [KERNELS, "torch"], buckets,
+                        hints) == Plan.always(KERNELS)  # dot no candidate here
+    assert untimed_plan(f"qlinear 128x64 {KIND}", methods, buckets, None) == Plan.always(KERNELS)
+    monkeypatch.setattr(selector, "_mode", "force")
+    assert untimed_plan(f"qlinear 64x64 {KIND}", methods, buckets, hints) == Plan.always(KERNELS)
+
+
+@pytest.mark.skipif(not _dot_built(), reason="needs the C++ dot kernel (x86 with AVX2)")
+def test_an_untimed_load_plans_its_experts_as_this_host_measured(monkeypatch, tmp_path):
+    """A model loaded untimed under ``auto`` with this host's cache saying its kind of
+    quantized linear runs on the dot kernel puts every one of them there (experts, as read,
+    and the dense ones), which the timed model will then borrow; under ``force``, tidal's
+    kernel."""
+    path = build_model_dir(tmp_path / "model", "qwen3_moe", hidden_size=128, head_dim=32)
+    cfg = ModelConfig.from_dir(path)
+
+    def planned(mode: str) -> set[str]:
+        monkeypatch.setattr(selector, "_mode", mode)
+        model = load_model(path, cfg, _options(quantization="int4", timed=False)).model
+        return {choice for layer in _quant_linears(model).values() for choice in layer.plan.used()}
+
+    monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path / "plans"))
+    assert planned("auto") == {KERNELS}  # nothing measured here yet
+    layers = _quant_linears(load_model(path, cfg, _options(quantization="int4",
+                                                            timed=False)).model)
+    cache = PlanCache()
+    for kind in {layer.plan_name.split(" ", 2)[2] for layer in layers.values()}:
+        cache.plans[f"qlinear 1x1 {kind}"] = Plan.always(DOT)  # another shape of each kind
+        cache.measured.append(f"qlinear 1x1 {kind}")
+    cache.save()
+    assert planned("auto") == {DOT}
+    assert planned("force") == {KERNELS}
