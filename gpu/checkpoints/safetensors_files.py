@@ -9,6 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tidal.gpu.checkpoints.mapped_pages import MappedPages
+
+LET_GO_BYTES = 256 << 20  # the checkpoint bytes read between two let-gos
+
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     """``model.safetensors``, or the shards its index names."""
@@ -23,7 +27,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight as a view of its file's memory map. Once ``LET_GO_BYTES`` of them have
+    been handed out and used, their pages are let go (``MappedPages``), so a load holds at
+    most about that much of a file resident, not the whole file until it is closed: a tensor
+    kept as read (an embedding used in place) reads its pages back from the page cache."""
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
+            read: list[torch.Tensor] = []
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                read.append(tensor)
+                if sum(t.nbytes for t in read) >= LET_GO_BYTES:
+                    _let_go(read)
+            _let_go(read)
+
+
+def _let_go(tensors: list[torch.Tensor]) -> None:
+    pages = MappedPages()  # the mappings as they are now: none written to since
+    for t in tensors:
+        pages.let_go(t)
+    tensors.clear()

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tidal.gpu.checkpoints import safetensors_files
 from tidal.gpu.checkpoints.mapped_pages import MappedPages
 from tidal.gpu.quantization import head as head_module
 from tidal.gpu.quantization.head import quantize_head
@@ -66,3 +67,20 @@ def test_quantizing_a_mapped_head_lets_its_pages_go(tmp_path, monkeypatch):
     want = quantize_int8(t)
     assert torch.equal(got.q, want.q) and torch.equal(got.scales, want.scales)
     del f
+
+
+def test_a_checkpoint_read_in_order_holds_little_of_its_file_resident(tmp_path, monkeypatch):
+    """``iter_safetensors`` lets the pages of the weights it handed out go every
+    ``LET_GO_BYTES``: a load that reads each weight holds a few of them resident, not the
+    whole file; a weight kept as read still reads the file's values."""
+    g = torch.Generator().manual_seed(1)
+    weights = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(12)}  # 4 MB each
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(safetensors_files, "LET_GO_BYTES", 8 * MB)
+    before, most, kept = _file_resident(), 0, None
+    for name, tensor in safetensors_files.iter_safetensors(tmp_path):
+        assert torch.equal(tensor, weights[name])  # read whole: every page resident
+        most = max(most, _file_resident() - before)
+        kept = tensor if name == "w0" else kept
+    assert most <= 16 * MB  # not the file's 48 MB
+    assert torch.equal(kept, weights["w0"])
