@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tidal.gpu.checkpoints.mapped_pages import MappedPages
 from tidal.gpu.cpu.host_allocator import release_freed_host_memory
 from tidal.gpu.cpu.kernels import load_cpu_kernels
 from tidal.gpu.layers import ClampedSwiGLU, silu_and_mul
@@ -124,13 +125,17 @@ def quantize_experts_on_read(name: str, value: Weight, method: str, group_size: 
 
 def _per_expert(prefix: str, part: str, value: torch.Tensor, method: str, group_size: int
                 ) -> Iterator[tuple[str, Weight]]:
+    """Each expert's matrices quantized, and its pages of a mapped checkpoint let go once
+    read: the stacked tensor is a whole layer's experts (800 MB of Qwen3-30B-A3B's)."""
+    pages = MappedPages()
     for e, matrix in enumerate(value):
         if part == "down_proj":
             yield f"{prefix}.{e}.down_proj.weight", quantize(matrix, method, group_size)
-            continue
-        gate, up = matrix.chunk(2)
-        yield f"{prefix}.{e}.gate_proj.weight", quantize(gate, method, group_size)
-        yield f"{prefix}.{e}.up_proj.weight", quantize(up, method, group_size)
+        else:
+            gate, up = matrix.chunk(2)
+            yield f"{prefix}.{e}.gate_proj.weight", quantize(gate, method, group_size)
+            yield f"{prefix}.{e}.up_proj.weight", quantize(up, method, group_size)
+        pages.let_go(matrix)
 
 
 def leave_experts_unallocated(model: nn.Module) -> None:

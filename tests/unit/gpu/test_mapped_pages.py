@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from tidal.gpu.checkpoints import safetensors_files
 from tidal.gpu.checkpoints.mapped_pages import MappedPages
 from tidal.gpu.quantization import head as head_module
+from tidal.gpu.quantization.experts import quantize_experts_on_read
 from tidal.gpu.quantization.head import quantize_head
 from tidal.gpu.quantization.weights import quantize_int8
 
@@ -84,3 +85,20 @@ def test_a_checkpoint_read_in_order_holds_little_of_its_file_resident(tmp_path, 
         kept = tensor if name == "w0" else kept
     assert most <= 16 * MB  # not the file's 48 MB
     assert torch.equal(kept, weights["w0"])
+
+
+def test_stacked_experts_quantized_on_read_let_each_experts_pages_go(tmp_path):
+    """A fused checkpoint's experts (one tensor a layer) quantized expert by expert: each
+    expert's pages go once it is read, so the layer's tensor is never resident whole."""
+    stacked = torch.randn(16, 512, 1024, generator=torch.Generator().manual_seed(2))
+    save_file({"e": stacked.bfloat16()}, str(tmp_path / "e.safetensors"))
+    f = safe_open(str(tmp_path / "e.safetensors"), framework="pt")
+    value = f.get_tensor("e")  # 16 MB of bfloat16
+    before, most = _file_resident(), 0
+    parts = quantize_experts_on_read("model.layers.0.mlp.experts.down_proj", value, "int8", 32)
+    for e, (name, weight) in enumerate(parts):
+        assert name == f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+        assert torch.equal(weight.q, quantize_int8(value[e]).q)
+        most = max(most, _file_resident() - before)
+    assert most <= 6 * MB  # not the layer's 16 MB
+    del f
