@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+MIN_BYTES = 1 << 20  # less is not worth reading the mappings for (tens of ms)
 SMAPS = Path("/proc/self/smaps")
 
 
@@ -40,25 +41,32 @@ def _clean_file_mappings() -> list[tuple[int, int]]:
 
 class MappedPages:
     """Lets go of tensors' pages where they view a clean file mapping; the mappings are read
-    once, when made (make one per weight read in chunks, and none while that weight's
-    mapping may be written to)."""
+    once, at the first tensor of ``MIN_BYTES`` or more (make one per weight read in chunks,
+    and none while that weight's mapping may be written to)."""
 
     def __init__(self) -> None:
         self.enabled = platform.system() == "Linux" and SMAPS.exists()
-        self.ranges = _clean_file_mappings() if self.enabled else []
-        self.libc = (ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                     if self.enabled else None)
+        self.ranges: list[tuple[int, int]] | None = None
+        self.libc = None
+
+    def _clean_ranges(self) -> list[tuple[int, int]]:
+        if self.ranges is None:
+            self.ranges = _clean_file_mappings()
+            self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return self.ranges
 
     def let_go(self, t: torch.Tensor) -> int:
         """Drop the whole pages ``t``'s bytes cover from the resident set, where they lie in a
         file mapping none of whose pages is the process's own; the bytes let go (0 elsewhere)."""
-        if not self.ranges or t.device.type != "cpu" or not t.is_contiguous():
+        if (not self.enabled or t.device.type != "cpu" or not t.is_contiguous()
+                or t.nbytes < MIN_BYTES):
             return 0
+        ranges = self._clean_ranges()
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
         page = mmap.PAGESIZE
         first, last = -(-start // page) * page, end // page * page
-        if last <= first or not any(lo <= first and last <= hi for lo, hi in self.ranges):
+        if last <= first or not any(lo <= first and last <= hi for lo, hi in ranges):
             return 0
         if self.libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
                              MADV_DONTNEED) != 0:
