@@ -34,12 +34,15 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             read: list[torch.Tensor] = []
+            nbytes = 0
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 yield name, tensor
                 read.append(tensor)
-                if sum(t.nbytes for t in read) >= LET_GO_BYTES:
+                nbytes += tensor.nbytes
+                if nbytes >= LET_GO_BYTES:
                     _let_go(read)
+                    nbytes = 0
             _let_go(read)
 
 
