@@ -228,7 +228,8 @@ def plan_head(model: nn.Module, max_rows: int, cache: PlanCache | None,
     timed = selector.mode() == "auto" and cache is not None and len(methods) > 1
     buckets = selector.row_buckets(max_rows)
     plan = (cache.get_or_choose(name, buckets, quant_candidates(w, head.dtype, methods))
-            if timed else untimed_plan(name, methods, buckets, hints))
+            if timed else untimed_plan(name, methods, buckets, hints,
+                                       lambda: quant_candidates(w, head.dtype, methods)))
     if one_layout:
         plan = Plan.always(plan.single())
     head.replan(plan)

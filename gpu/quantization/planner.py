@@ -20,9 +20,11 @@ from tidal.gpu.quantization.linear import (
 )
 from tidal.gpu.quantization.weights import QuantizedWeight
 
+Candidates = Callable[[int], dict[str, Callable[[], object]]]  # rows -> each method's call
+
 
 def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[str]
-                     ) -> Callable[[int], dict[str, Callable[[], object]]]:
+                     ) -> Candidates:
     """For the selector: each method's call on ``rows`` random rows, over a random weight of
     ``weight``'s format (capped at ``TIMED_MAX_OUT_FEATURES`` outputs)."""
     n = min(weight.shape[0], TIMED_MAX_OUT_FEATURES)
@@ -37,14 +39,15 @@ def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[
     return candidates
 
 
-def untimed_plan(name: str, methods: list[str], buckets: list[int],
-                 hints: PlanCache | None) -> Plan:
+def untimed_plan(name: str, methods: list[str], buckets: list[int], hints: PlanCache | None,
+                 candidates: Callable[[], Candidates] | None = None) -> Plan:
     """The plan of quantized linear ``name`` in a model loaded untimed: the first candidate,
     or under ``auto`` with ``hints`` (this host's plans) what this host measured: the cached
     plan of that name where it has one, else the choice its cached plans of the same format,
-    dtype and candidates make most often. A first start serves on such a model while its own
-    plans are timed, and the timed model borrows the layouts the two share
-    (``QuantLinear.borrow``): alike plans, one copy of the weights at the swap, not two."""
+    dtype and candidates make most often, else a ``selector.probe`` of ``candidates()``. A
+    first start serves on such a model while its own plans are timed, and the timed model
+    borrows the layouts the two share (``QuantLinear.borrow``): alike plans, one copy of the
+    weights at the swap, not two."""
     if hints is None or selector.mode() != "auto":
         return Plan.always(methods[0])
     cached = hints.plans.get(name)
@@ -54,7 +57,9 @@ def untimed_plan(name: str, methods: list[str], buckets: list[int],
     votes = Counter(plan.single() for key, plan in hints.plans.items()
                     if key.startswith("qlinear ") and key.split(" ", 2)[2] == kind)
     usual = [choice for choice, _ in votes.most_common() if choice in methods]
-    return Plan.always(usual[0] if usual else methods[0])
+    if usual or candidates is None or len(methods) < 2:
+        return Plan.always(usual[0] if usual else methods[0])
+    return selector.probe(buckets, candidates(), hints.timer)
 
 
 class QuantPlanner:
@@ -87,7 +92,9 @@ class QuantPlanner:
             timed = self.cache is not None and len(methods) > 1
             plan = (self.cache.get_or_choose(name, self.buckets,
                                              quant_candidates(w, layer.dtype, methods))
-                    if timed else untimed_plan(name, methods, self.buckets, self.hints))
+                    if timed else untimed_plan(
+                        name, methods, self.buckets, self.hints,
+                        lambda: quant_candidates(w, layer.dtype, methods)))
             self.plans[name] = Plan.always(plan.single()) if self.one_layout else plan
         layer.plan_name = name
         layer.replan(self.plans[name])

@@ -105,6 +105,32 @@ def test_an_untimed_plan_follows_what_this_host_measured(monkeypatch, tmp_path):
     assert untimed_plan(f"qlinear 64x64 {KIND}", methods, buckets, hints) == Plan.always(KERNELS)
 
 
+def test_an_untimed_plan_with_nothing_measured_is_probed(monkeypatch, tmp_path):
+    """With no plan of its kind on this host, an untimed quantized linear's plan is a quick
+    ``selector.probe`` of its candidates (the hints' timer), not the first candidate; a vote
+    of the cached plans comes first, and ``force`` never probes."""
+    monkeypatch.setattr(selector, "_mode", "auto")
+    costs = {KERNELS: 2.0, DOT: 1.0, "aten": 1.5, "torch": 30.0}
+    hints = PlanCache(tmp_path, key={"host": "test"}, timer=lambda name, fn, n: costs[name])
+    methods, buckets = [KERNELS, DOT, "aten", "torch"], selector.row_buckets(8)
+    probed: list[int] = []
+
+    def candidates():
+        probed.append(1)
+        return lambda rows: {m: (lambda: None) for m in methods}
+
+    name = f"qlinear 64x64 {KIND}"
+    assert untimed_plan(name, methods, buckets, hints, candidates) == Plan.always(DOT)
+    costs["aten"] = 0.5
+    assert untimed_plan(name, methods, buckets, hints, candidates) == Plan.always("aten")
+    assert untimed_plan(name, methods, buckets, hints) == Plan.always(KERNELS)  # no candidates
+    hints.plans[f"qlinear 32x64 {KIND}"] = Plan.always(DOT)
+    assert untimed_plan(name, methods, buckets, hints, candidates) == Plan.always(DOT)  # voted
+    monkeypatch.setattr(selector, "_mode", "force")
+    assert untimed_plan(name, methods, buckets, hints, candidates) == Plan.always(KERNELS)
+    assert len(probed) == 2
+
+
 @pytest.mark.skipif(not _dot_built(), reason="needs the C++ dot kernel (x86 with AVX2)")
 def test_an_untimed_load_plans_its_experts_as_this_host_measured(monkeypatch, tmp_path):
     """A model loaded untimed under ``auto`` with this host's cache saying its kind of
@@ -120,7 +146,12 @@ def test_an_untimed_load_plans_its_experts_as_this_host_measured(monkeypatch, tm
         return {choice for layer in _quant_linears(model).values() for choice in layer.plan.used()}
 
     monkeypatch.setenv(selector.CACHE_ENV, str(tmp_path / "plans"))
-    assert planned("auto") == {KERNELS}  # nothing measured here yet
+    first = {KERNELS: 1.0, DOT: 2.0}  # nothing measured here yet: probed, under this timer
+    monkeypatch.setattr(selector, "host_timer", lambda name, fn, n: first.get(name, 9.0))
+    assert planned("auto") == {KERNELS}
+    first = {KERNELS: 2.0, DOT: 1.0}
+    assert planned("auto") == {DOT}
+    first = {KERNELS: 1.0, DOT: 2.0}  # the cache's vote below comes before a probe
     layers = _quant_linears(load_model(path, cfg, _options(quantization="int4",
                                                             timed=False)).model)
     cache = PlanCache()
