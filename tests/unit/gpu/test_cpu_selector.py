@@ -159,6 +159,10 @@ def test_a_probe_guesses_the_one_layout_that_loses_least_from_three_buckets() ->
     assert choose([1, 2, 4, 8], *scripted(by_rows)).single() == "b"
     candidates, timer = scripted({1: {"a": 1.0, "b": 3.0}})
     assert selector.probe([1], candidates, timer) == Plan.always("a")
+    seen: list[int] = []
+    selector.probe(row_buckets(4096), lambda rows: seen.append(rows) or named(rows, ["a"]),
+                   fake_timer({"a": 1.0}))
+    assert seen == [1, 16, 256]  # a step of thousands of rows is not called at its size
 
 
 def test_neighbouring_buckets_flip_only_on_a_win_past_the_margin() -> None:
