@@ -48,8 +48,6 @@ PASSES = 2  # sweeps over the buckets, a candidate's best over all of them count
 # A candidate this many times slower than a bucket's best after one round cannot win there
 # by any noise: it is timed no further in that bucket (nor in later passes).
 HOPELESS = 4.0
-PROBE_CALLS = 2  # calls a candidate's time is the best of in a ``probe`` (the first warms)
-PROBE_MAX_ROWS = 256  # a probe's buckets stop here: a call of thousands of rows takes seconds
 # Bumped when how plans are chosen changes, so plans cached by the older rule are timed again.
 SELECTOR_VERSION = "3"
 # Timings noisier than this (``timing_noise``) make a plan provisional: timed again later.
@@ -265,28 +263,6 @@ def choose(buckets: Iterable[int], candidates: Callable[[int], dict[str, Callabl
     return Plan(tuple(bounds), tuple(choices),
                 tuple({name: round(ms, 4) for name, ms in t.items()} for t in timings),
                 noise=round(noise, 4), load=round(host_load(), 2), made_at=round(time.time()))
-
-
-def probe(buckets: list[int], candidates: Callable[[int], dict[str, Callable[[], object]]],
-          timer: Timer = host_timer) -> Plan:
-    """A first guess where there is no time to ``choose``: one candidate for every row count,
-    the one that loses least (``Plan.single``) over the best of ``PROBE_CALLS`` calls each at
-    the first, middle and last bucket up to ``PROBE_MAX_ROWS``; those ``HOPELESS`` behind at
-    the first are not called at the others. A first start serves on it while its plans are
-    timed, and the timed model borrows whatever layouts the two share, so a good guess keeps
-    one copy of the weights at the swap, not two."""
-    usable = [rows for rows in buckets if rows <= PROBE_MAX_ROWS] or buckets[:1]
-    bounds = sorted({usable[0], usable[len(usable) // 2], usable[-1]})
-    timings: list[dict[str, float]] = []
-    for rows in bounds:
-        fns = candidates(rows)
-        if timings:
-            fns = {name: fn for name, fn in fns.items() if name in timings[-1]}
-        times = {name: timer(name, fn, PROBE_CALLS) for name, fn in fns.items()}
-        best = min(times.values())
-        timings.append({name: ms for name, ms in times.items() if ms <= HOPELESS * best})
-    return Plan.always(Plan(tuple(bounds), tuple(min(t, key=t.__getitem__) for t in timings),
-                            tuple(timings)).single())
 
 
 def _without(fns: dict[str, Callable[[], object]], dropped: frozenset[str]

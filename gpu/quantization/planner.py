@@ -11,7 +11,7 @@ from torch import nn
 
 from tidal.gpu.cpu import selector
 from tidal.gpu.cpu.packed_linear import TWO_LAYOUTS_MAX_BYTES
-from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.cpu.selector import Plan, PlanCache, Timer, host_timer
 from tidal.gpu.quantization.linear import (
     TIMED_MAX_OUT_FEATURES,
     QuantLinear,
@@ -21,6 +21,8 @@ from tidal.gpu.quantization.linear import (
 from tidal.gpu.quantization.weights import QuantizedWeight
 
 Candidates = Callable[[int], dict[str, Callable[[], object]]]  # rows -> each method's call
+PROBE_CALLS = 2  # calls a candidate's time is the best of in a ``probe`` (the first warms)
+PROBE_MAX_ROWS = 256  # a probe's buckets stop here: a call of thousands of rows takes seconds
 
 
 def quant_candidates(weight: QuantizedWeight, dtype: torch.dtype, methods: list[str]
@@ -44,7 +46,7 @@ def untimed_plan(name: str, methods: list[str], buckets: list[int], hints: PlanC
     """The plan of quantized linear ``name`` in a model loaded untimed: the first candidate,
     or under ``auto`` with ``hints`` (this host's plans) what this host measured: the cached
     plan of that name where it has one, else the choice its cached plans of the same format,
-    dtype and candidates make most often, else a ``selector.probe`` of ``candidates()``. A
+    dtype and candidates make most often, else a ``probe`` of ``candidates()``. A
     first start serves on such a model while its own plans are timed, and the timed model
     borrows the layouts the two share (``QuantLinear.borrow``): alike plans, one copy of the
     weights at the swap, not two."""
@@ -59,7 +61,27 @@ def untimed_plan(name: str, methods: list[str], buckets: list[int], hints: PlanC
     usual = [choice for choice, _ in votes.most_common() if choice in methods]
     if usual or candidates is None or len(methods) < 2:
         return Plan.always(usual[0] if usual else methods[0])
-    return selector.probe(buckets, candidates(), hints.timer)
+    return probe(buckets, candidates(), hints.timer)
+
+
+def probe(buckets: list[int], candidates: Candidates, timer: Timer = host_timer) -> Plan:
+    """A first guess where there is no time to ``selector.choose``: one candidate for every
+    row count, the one that loses least (``Plan.single``) over the best of ``PROBE_CALLS``
+    calls each at the first, middle and last bucket up to ``PROBE_MAX_ROWS``; those
+    ``selector.HOPELESS`` times behind at the first are not called at the others."""
+    usable = [rows for rows in buckets if rows <= PROBE_MAX_ROWS] or buckets[:1]
+    bounds = sorted({usable[0], usable[len(usable) // 2], usable[-1]})
+    timings: list[dict[str, float]] = []
+    for rows in bounds:
+        fns = candidates(rows)
+        if timings:
+            fns = {name: fn for name, fn in fns.items() if name in timings[-1]}
+        times = {name: timer(name, fn, PROBE_CALLS) for name, fn in fns.items()}
+        best = min(times.values())
+        keep = selector.HOPELESS * best
+        timings.append({name: ms for name, ms in times.items() if ms <= keep})
+    return Plan.always(Plan(tuple(bounds), tuple(min(t, key=t.__getitem__) for t in timings),
+                            tuple(timings)).single())
 
 
 class QuantPlanner:

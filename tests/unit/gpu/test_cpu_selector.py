@@ -138,33 +138,6 @@ def test_a_candidate_far_behind_is_timed_no_further() -> None:
         assert choose([1, 2], *scripted(slow)).choices == plan.choices
 
 
-def test_a_probe_guesses_the_one_layout_that_loses_least_from_three_buckets() -> None:
-    """``probe`` times each candidate once at the first, middle and last bucket only,
-    drops those hopeless at the first, and keeps the one candidate losing least over the
-    three; it agrees with ``choose``'s one layout where the margins are wide."""
-    by_rows = {1: {"a": 1.0, "b": 0.8, "torch": 9.0}, 2: {"a": 1.0, "b": 0.9, "torch": 5.0},
-               4: {"a": 2.0, "b": 1.0, "torch": 4.0}, 8: {"a": 3.0, "b": 4.0, "torch": 3.5}}
-    candidates, exact = scripted(by_rows)
-    calls: list[tuple[str, float]] = []
-
-    def timer(name: str, fn, n: int) -> float:
-        calls.append((name, exact("a", fn, n)))
-        return exact(name, fn, n)
-
-    plan = selector.probe([1, 2, 4, 8], candidates, timer)
-    assert plan == Plan.always("b")  # 0.8 + 0.5 + 4/3 of the best, against 1.25 + 2 + 1
-    assert {rows for _, rows in calls} == {1.0, 2.0, 3.0}  # buckets 1, 4 and 8 (a's times)
-    assert ("torch", 1.0) in calls and ("torch", 2.0) not in calls  # 9.0 > 4 x 0.8
-    assert len(calls) == 3 + 2 * 2  # one timing (of PROBE_CALLS calls) each
-    assert choose([1, 2, 4, 8], *scripted(by_rows)).single() == "b"
-    candidates, timer = scripted({1: {"a": 1.0, "b": 3.0}})
-    assert selector.probe([1], candidates, timer) == Plan.always("a")
-    seen: list[int] = []
-    selector.probe(row_buckets(4096), lambda rows: seen.append(rows) or named(rows, ["a"]),
-                   fake_timer({"a": 1.0}))
-    assert seen == [1, 16, 256]  # a step of thousands of rows is not called at its size
-
-
 def test_neighbouring_buckets_flip_only_on_a_win_past_the_margin() -> None:
     timings = [{"a": 1.0, "b": 1.01}, {"a": 1.0, "b": 0.97}, {"a": 0.98, "b": 1.0},
                {"a": 1.5, "b": 1.0}, {"a": 1.0, "b": 1.03}]

@@ -8,15 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.gpu.test_cpu_selector import fake_timer, named, scripted
 from tests.unit.gpu.test_moe_quantized import _dot_built, _options
 from tests.unit.gpu.test_mxfp4 import _write_mxfp4_twins
 from tidal.gpu.cpu import selector
-from tidal.gpu.cpu.selector import Plan, PlanCache
+from tidal.gpu.cpu.selector import Plan, PlanCache, choose, row_buckets
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import load_model
 from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.linear import DOT, KERNELS, QuantLinear, QuantPacks
-from tidal.gpu.quantization.planner import untimed_plan
+from tidal.gpu.quantization.planner import probe, untimed_plan
 from tidal.gpu.quantization.weights import quantize
 from tidal.gpu.random_model import build_model_dir
 
@@ -105,9 +106,36 @@ def test_an_untimed_plan_follows_what_this_host_measured(monkeypatch, tmp_path):
     assert untimed_plan(f"qlinear 64x64 {KIND}", methods, buckets, hints) == Plan.always(KERNELS)
 
 
+def test_a_probe_guesses_the_one_layout_that_loses_least_from_three_buckets() -> None:
+    """``probe`` times each candidate once at the first, middle and last bucket only,
+    drops those hopeless at the first, and keeps the one candidate losing least over the
+    three; it agrees with ``choose``'s one layout where the margins are wide."""
+    by_rows = {1: {"a": 1.0, "b": 0.8, "torch": 9.0}, 2: {"a": 1.0, "b": 0.9, "torch": 5.0},
+               4: {"a": 2.0, "b": 1.0, "torch": 4.0}, 8: {"a": 3.0, "b": 4.0, "torch": 3.5}}
+    candidates, exact = scripted(by_rows)
+    calls: list[tuple[str, float]] = []
+
+    def timer(name: str, fn, n: int) -> float:
+        calls.append((name, exact("a", fn, n)))
+        return exact(name, fn, n)
+
+    plan = probe([1, 2, 4, 8], candidates, timer)
+    assert plan == Plan.always("b")  # 0.8 + 0.5 + 4/3 of the best, against 1.25 + 2 + 1
+    assert {rows for _, rows in calls} == {1.0, 2.0, 3.0}  # buckets 1, 4 and 8 (a's times)
+    assert ("torch", 1.0) in calls and ("torch", 2.0) not in calls  # 9.0 > 4 x 0.8
+    assert len(calls) == 3 + 2 * 2  # one timing (of PROBE_CALLS calls) each
+    assert choose([1, 2, 4, 8], *scripted(by_rows)).single() == "b"
+    candidates, timer = scripted({1: {"a": 1.0, "b": 3.0}})
+    assert probe([1], candidates, timer) == Plan.always("a")
+    seen: list[int] = []
+    probe(row_buckets(4096), lambda rows: seen.append(rows) or named(rows, ["a"]),
+                   fake_timer({"a": 1.0}))
+    assert seen == [1, 16, 256]  # a step of thousands of rows is not called at its size
+
+
 def test_an_untimed_plan_with_nothing_measured_is_probed(monkeypatch, tmp_path):
     """With no plan of its kind on this host, an untimed quantized linear's plan is a quick
-    ``selector.probe`` of its candidates (the hints' timer), not the first candidate; a vote
+    ``planner.probe`` of its candidates (the hints' timer), not the first candidate; a vote
     of the cached plans comes first, and ``force`` never probes."""
     monkeypatch.setattr(selector, "_mode", "auto")
     costs = {KERNELS: 2.0, DOT: 1.0, "aten": 1.5, "torch": 30.0}
