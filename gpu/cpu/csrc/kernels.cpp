@@ -247,15 +247,19 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
   });
 }
 
-// Sets flush-to-zero and denormals-are-zero on every thread of the calling thread's torch
-// pool (each worker keeps its own floating-point control register). Returns false where the
-// CPU has no such switch.
+// Sets flush-to-zero and denormals-are-zero on every worker of the calling thread's torch
+// pool (each keeps its own floating-point control register). The calling thread takes a share
+// of the loop too, but gets its own register back: Python's float maths runs on it, and
+// kernels.denormals_flushed sets it for a block only. Returns false where the CPU has no such
+// switch.
 bool flush_denormals_in_pool() {
 #ifdef TIDAL_HAS_MXCSR
+  const unsigned int caller = _mm_getcsr();
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, threads, 1, [](int64_t, int64_t) {
     _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ (bit 15) and DAZ (bit 6)
   });
+  _mm_setcsr(caller);
   return true;
 #else
   return false;

@@ -16,7 +16,7 @@ from tidal.gpu.sampler import row_argmax
 # A fresh interpreter, whose worker threads have never been flushed.
 SCRIPT = """
 import torch
-from tidal.gpu.cpu.kernels import denormals_flushed
+from tidal.gpu.cpu.kernels import denormals_flushed, load_cpu_kernels
 torch.set_num_threads(2)
 tiny, scale = torch.full((1 << 20,), 1e-30), torch.full((1 << 20,), 1e-10)
 before = int(((tiny * scale) == 0).sum())
@@ -24,11 +24,13 @@ with denormals_flushed():
     inside = int(((tiny * scale) == 0).sum())
     normal_kept = bool((torch.full((8,), 1e-20) * 1e-10 != 0).all())
 after = 1e-300 * 1e-10 != 0.0  # Python's own floats on this thread, unflushed again
+load_cpu_kernels().flush_denormals_in_pool()  # as the runner does when its threads change
+after_pool = 1e-300 * 1e-10 != 0.0
 torch.set_flush_denormal(True)  # a caller's own choice survives the block
 with denormals_flushed():
     pass
 kept_flushed = 1e-300 * 1e-10 == 0.0
-print(before, inside, normal_kept, after, kept_flushed)
+print(before, inside, normal_kept, after, kept_flushed, after_pool)
 """
 
 
@@ -40,6 +42,7 @@ def test_denormals_flushed_on_every_worker_and_restored_on_the_caller():
     assert out[2] == "True"  # 1e-30 is a normal float: untouched
     assert out[3] == "True"  # the calling thread keeps IEEE denormals outside the block
     assert out[4] == "True"  # and a caller that flushed before stays flushed
+    assert out[5] == "True"  # flushing the pool's workers leaves the caller's floats alone
 
 
 @pytest.fixture
