@@ -69,6 +69,7 @@ def _check_calls(message, names: set[str]) -> None:
 
 
 # -- response_format and structured_outputs -----------------------------------------------------
+@pytest.mark.slow
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     completion = client.chat.completions.parse(
         model=client.models.list().data[0].id, messages=CHAT, response_format=Character,
@@ -141,6 +142,7 @@ def test_forced_tool_calls_always_parse(client: openai.OpenAI, tool_choice, name
         _check_calls(choice.message, names)
 
 
+@pytest.mark.slow
 def test_parallel_tool_calls_each_parse(client: openai.OpenAI) -> None:
     """Several calls a reply: a reply may run into max_tokens in a later call, but every
     call it returns parses and validates."""
@@ -171,6 +173,7 @@ def test_streamed_tool_calls_equal_the_whole_reply(client: openai.OpenAI) -> Non
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+@pytest.mark.slow
 def test_auto_calls_parse_whenever_the_trigger_appears(server: Server,
                                                        client: openai.OpenAI) -> None:
     from transformers import AutoTokenizer

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 from tests.device import on_test_device
+from tests.marks import quick_only
 from tests.unit.core.test_scheduler import run_workload, workload
 from tidal.core.config import DEFAULT_MODEL
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -105,7 +106,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "search", "parameters": SCHEMA}}]
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parser_name", quick_only(["hermes", "llama3_json", "mistral"], "hermes"))
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_weather"}}])
 def test_forced_tool_call_samples_all_parse_and_validate(llm, parser_name, choice):

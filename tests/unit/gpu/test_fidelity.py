@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
+from tests.marks import quick_only
 from tidal.core import SamplingParams
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.random_model import build_model_dir
@@ -42,7 +43,7 @@ def _model(name: str, tmp_path_factory) -> tuple[str, AutoModelForCausalLM]:
     return _BUILT[name]
 
 
-@pytest.fixture(params=list(MODELS))
+@pytest.fixture(params=quick_only(MODELS, "llama", "qwen3"))
 def model(request, tmp_path_factory):
     return _model(request.param, tmp_path_factory)
 

@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
+from tests.marks import quick_only
 from tidal.gpu.models.gemma import GemmaForCausalLM
 from tidal.gpu.random_model import build_model_dir
 
@@ -35,7 +36,7 @@ def gemma(request, tmp_path_factory):
     return _model(request.param, tmp_path_factory)
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch"])
+@pytest.mark.parametrize("attention", quick_only(["auto", "torch"], "auto"))
 def test_matches_hf(gemma, attention):
     path, hf = gemma
     llm = fidelity_llm(path, attention_backend=attention)

@@ -340,6 +340,7 @@ DEFAULT_PROMPTS = ["To be, or not to be", "ROMEO:", "First Citizen:\nBefore we p
 LOGPROB_BOUND = 0.05
 
 
+@pytest.mark.slow
 def test_embedded_model_keeps_its_greedy_tokens_and_logprobs():
     from tidal.core import LLM
 

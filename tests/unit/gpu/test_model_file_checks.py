@@ -162,6 +162,7 @@ _PEAK_RSS = textwrap.dedent("""
 RSS_BOUND_KB = 2_500_000  # the server's own start-up (torch, tokenizer) and nothing more
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_server_refuses_a_million_layers_fast_without_allocating(model_dir: Path,
                                                                  tmp_path: Path) -> None:
@@ -180,6 +181,7 @@ def test_server_refuses_a_million_layers_fast_without_allocating(model_dir: Path
     assert peak_kb < RSS_BOUND_KB, peak_kb
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_server_clamps_a_context_of_2_to_the_26(model_dir: Path, tmp_path: Path) -> None:
     """max_position_embeddings 2**26 with no --max-model-len: served, on a clamped context,

@@ -103,6 +103,7 @@ def test_float16_runs_on_the_cpu_like_float32(model_dir):
     assert [o.outputs[0].token_ids[:2] for o in half] == [t[:2] for t in _greedy(model_dir)]
 
 
+@pytest.mark.slow
 def test_loading_a_model_imports_no_compiler(model_dir):
     """A model is built on the meta device before its weights are read; initializers and
     maths on meta tensors run through torch's Python reference ops, which import

@@ -34,6 +34,7 @@ def _greedy(engine: EngineCore, prompt: list[int], tokens: int, before_step=None
     return out
 
 
+@pytest.mark.slow
 def test_serves_on_torch_while_kernels_build_then_swaps_them_in(monkeypatch) -> None:
     built = kernels._build_and_load()  # the real kernels, already built by this process
     release = threading.Event()
@@ -235,6 +236,7 @@ def test_the_step_watch_trips_on_persistently_slow_windows(monkeypatch) -> None:
     assert slow == [False] * 7 + [True] and watch.baseline == {}  # afresh after it trips
 
 
+@pytest.mark.slow
 def test_steps_slower_than_when_the_plans_came_in_have_them_timed_again(monkeypatch,
                                                                          tmp_path) -> None:
     import time

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.hf_reference import check_against_hf, fidelity_llm, hf_float_model, reference_prompts
+from tests.marks import quick_only
 from tests.unit.gpu.test_quantized_fidelity import FORMATS, hf_twin
 from tidal.gpu.moe import MoE
 from tidal.gpu.quantization.linear import QuantLinear
@@ -38,7 +39,8 @@ def _hf(path: str):
     return hf_float_model(path)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-unnormalised", "mixtral"])
+@pytest.mark.parametrize("name", quick_only(["qwen3_moe-unnormalised", "mixtral"],
+                                            "qwen3_moe-unnormalised"))
 def test_matches_hf_in_chunked_batches(name, tmp_path_factory):
     """Prefill chunks of 24 tokens beside other requests' decode rows, three requests at a
     time: steps of one token up to full chunks route through the experts. (Renormalised

@@ -21,6 +21,7 @@ from tests.hf_reference import (
     reference_prompts,
     replace_hf_linears,
 )
+from tests.marks import quick_only
 from tests.paths import DATA
 from tidal.core import DEFAULT_MODEL, SamplingParams
 from tidal.gpu.model_config import ModelConfig
@@ -89,7 +90,7 @@ def model_dir(arch: str, tmp_path_factory, **overrides) -> str:
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", quick_only(["llama", "qwen2", "qwen3"], "llama"))
 def test_quantized_engine_equals_hf_on_the_dequantized_weights(arch, fmt, tmp_path_factory):
     path = model_dir(arch, tmp_path_factory)
     method, group = FORMATS[fmt]
@@ -98,7 +99,7 @@ def test_quantized_engine_equals_hf_on_the_dequantized_weights(arch, fmt, tmp_pa
 
 
 @pytest.mark.cpu_only(reason="the dot kernel is a CPU kernel")
-@pytest.mark.parametrize("fmt", ["int8", "int4g32"])
+@pytest.mark.parametrize("fmt", quick_only(["int8", "int4g32"], "int4g32"))
 def test_engine_on_the_dot_kernel_follows_hf_on_rounded_activations(fmt, tmp_path_factory,
                                                                     monkeypatch):
     """Every quantized linear and the int8 head on the dot kernel (the first candidate once
@@ -216,7 +217,7 @@ def unit_gain_dir(arch: str, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("rounded", [False, True], ids=["float-activations", "int8-activations"])
-@pytest.mark.parametrize("which", ["default", "llama", "qwen3"])
+@pytest.mark.parametrize("which", quick_only(["default", "llama", "qwen3"], "default"))
 def test_int8_top_logprobs_stay_within_bounds_of_float(which, rounded, tmp_path_factory):
     """8 prompts x 64 greedy float tokens: the int8 model's top logprob at each stays within
     ``TOP_LOGPROB_NATS`` of the float model's for ``TOP_LOGPROB_SHARE`` of them, with float

@@ -336,6 +336,7 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(6, 400, (n,), generator=g).tolist() for n in (9, 40, 70, 25, 90, 55)]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_seed_reproduces_through_llm_alone_batched_and_preempted(model_path):
     prompts = _prompts()
