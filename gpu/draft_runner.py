@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +40,7 @@ from tidal.core.speculative_config import SpeculativeConfig, resolve_draft_model
 from tidal.gpu.attention import AttentionMetadata, get_attention_backend, kv_quant
 from tidal.gpu.cuda_graphs import CudaGraphRunner, graph_rows
 from tidal.gpu.distributed import tensor_parallel
+from tidal.gpu.draft_vocab import check_compatible
 from tidal.gpu.input_batch import CachedRequestState, InputBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import LoadOptions, load_model
@@ -67,33 +66,6 @@ class _Rows:
     index: list[int]  # each row-request's place in the step's states
     ids: list[np.ndarray]
     positions: list[np.ndarray]
-
-
-def check_compatible(target: ModelConfig, draft: ModelConfig, target_dir: str,
-                     draft_dir: str) -> None:
-    """A clear error unless the draft shares the target's vocabulary (size, and token ids
-    where both folders hold a ``tokenizer.json``)."""
-    if target.vocab_size != draft.vocab_size:
-        raise ValueError(f"the draft model {draft_dir!r} has a vocabulary of "
-                         f"{draft.vocab_size} tokens, the target {target_dir!r} of "
-                         f"{target.vocab_size}: a draft must share the target's tokenizer")
-    mine, theirs = _vocab(target_dir), _vocab(draft_dir)
-    if mine is not None and theirs is not None and mine != theirs:
-        differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
-        raise ValueError(f"the draft model {draft_dir!r} and the target {target_dir!r} have "
-                         f"different tokenizers ({len(differ)} tokens differ, e.g. "
-                         f"{differ[:3]}): a draft must share the target's tokenizer")
-
-
-def _vocab(model_dir: str) -> dict[str, int] | None:
-    """A folder's ``tokenizer.json`` token ids, added tokens included; None without one."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    vocab = dict(raw.get("model", {}).get("vocab") or {})
-    vocab.update({t["content"]: t["id"] for t in raw.get("added_tokens", [])})
-    return vocab
 
 
 class DraftRunner:
@@ -186,6 +158,11 @@ class DraftRunner:
         sampling = [i for i, s in enumerate(step.states) if s.req_id in step.sampled]
         if not catch_up.index:
             return {}
+        one_call = self._propose_in_one_call(catch_up, table, sampling, ends)
+        if one_call is not None:
+            self._record_keys(batch, step, catch_up, ends)
+            self._forget_guessed(table, sampling, ends)
+            return {step.states[i].req_id: g for i, g in zip(sampling, one_call.tolist())}
         first = self._catch_up(catch_up, table, set(sampling))
         self._record_keys(batch, step, catch_up, ends)
         proposals = {step.states[i].req_id: [first[i]] for i in sampling}
@@ -201,6 +178,32 @@ class DraftRunner:
             for i, g in zip(live.tolist(), guesses.tolist()):
                 proposals[step.states[i].req_id].append(g)
         return proposals
+
+    def _propose_in_one_call(self, rows: _Rows, table: np.ndarray, sampling: list[int],
+                             ends: list[int]) -> np.ndarray | None:
+        """The catch-up ``rows`` and every guess in one call of the CPU's one-call decode
+        step (``CpuBackend.propose``), [sampling requests, k], where it takes them: the
+        rows in one forward, no request's more than a verification's catch-up (k + 2),
+        every guess within the model's length; else None."""
+        lens = np.array([len(p) for p in rows.positions], dtype=np.int64)
+        if (self.cpu is None or not sampling or lens.max() > self.k + 2
+                or lens.sum() > self.max_rows
+                or max(ends[i] for i in sampling) + self.k - 2 >= self.max_model_len):
+            return None
+        where = {i: j for j, i in enumerate(rows.index)}
+        last_rows = np.cumsum(lens)[[where[i] for i in sampling]] - 1
+        return self.cpu.propose(
+            np.concatenate(rows.ids).astype(np.int64), np.concatenate(rows.positions),
+            self.kv_caches, table, np.repeat(np.asarray(rows.index, dtype=np.int64), lens),
+            np.asarray(sampling, dtype=np.int64), last_rows, self.model.lm_head, self.k,
+            self.block_size)
+
+    def _forget_guessed(self, table: np.ndarray, sampling: list[int], ends: list[int]) -> None:
+        """The blocks the guesses after each of ``sampling``'s first wrote hold no known
+        tokens' KV alone (as ``_guess`` marks its own)."""
+        requests = np.asarray(sampling, dtype=np.int64)
+        positions = np.asarray(ends, dtype=np.int64)[requests, None] + np.arange(self.k - 1)
+        self.block_keys[table[requests[:, None], positions // self.block_size].ravel()] = None
 
     def _catch_up_rows(self, batch: InputBatch, step: DraftStep) -> tuple[_Rows, list[int]]:
         """Each request's tokens the target computed and kept this step (and before it, in

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from tidal.gpu.attention import AttentionMetadata
 from tidal.gpu.cpu import selector
-from tidal.gpu.cpu.decode_stack import build_decode_stack, runs_on_stack
+from tidal.gpu.cpu.decode_stack import build_decode_stack, runs_on_stack, stack_takes
 from tidal.gpu.cpu.op_plans import (
     STACK,
     ModelPlans,
@@ -56,6 +57,30 @@ class CpuBackend:
         caches = [cache for pair in kv_caches for cache in pair]
         return self.stack.forward(ids, positions, caches, meta.slot_mapping, meta.block_table,
                                   meta.seq_lens, requests, rows)
+
+    def takes(self, rows: int) -> bool:
+        """Whether the one-call decode step takes a step of ``rows`` one-token rows."""
+        return self.stack is not None and stack_takes(rows, self.stack_rows)
+
+    def propose(self, ids: np.ndarray, positions: np.ndarray,
+                kv_caches: list[tuple[torch.Tensor, ...]], table: np.ndarray,
+                row_requests: np.ndarray, guess_requests: np.ndarray, last_rows: np.ndarray,
+                head: nn.Module, steps: int, block_size: int) -> np.ndarray | None:
+        """A draft model's greedy guesses in one call (``DecodeStack.propose``: rows ``ids``
+        at ``positions``, row i a one-token query of request ``row_requests[i]`` over its
+        ``table`` row; then ``steps`` guesses each for ``guess_requests``, the first after
+        their ``last_rows``), [guesses, steps]; None where the one-call step does not take
+        it: no stack, an int8 embedding, a head without a C++ kernel, or row counts the
+        plans give to the model's layers."""
+        kernel = getattr(head, "kernel", None)
+        if (kernel is None or isinstance(self.embedding, QuantEmbedding)
+                or not self.takes(len(ids)) or not self.takes(len(guess_requests))):
+            return None
+        t = torch.from_numpy
+        caches = [cache for pair in kv_caches for cache in pair]
+        return self.stack.propose(t(ids), t(positions), caches, t(table), t(row_requests),
+                                  t(guess_requests), t(last_rows), kernel, steps,
+                                  block_size).numpy()
 
     def _stack_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The ids the one-call decode step looks up in its table: an int8 embedding's rows

@@ -85,5 +85,10 @@ def runs_on_stack(input_ids: torch.Tensor, meta: AttentionMetadata,
     """A decode-only step without padding rows, whose row count the ops' plans give to the
     kernels (``stack_rows[rows]``; the last entry holds for more rows)."""
     rows = input_ids.shape[0]
-    ok = stack_rows[min(rows, len(stack_rows) - 1)] if stack_rows else True
-    return ok and meta.is_decode_only and meta.num_actual_tokens == rows
+    return stack_takes(rows, stack_rows) and meta.is_decode_only and meta.num_actual_tokens == rows
+
+
+def stack_takes(rows: int, stack_rows: list[bool]) -> bool:
+    """Whether the ops' plans give a step of ``rows`` rows to the kernels (``stack_rows[rows]``;
+    the last entry holds for more rows, and no entries for every count)."""
+    return stack_rows[min(rows, len(stack_rows) - 1)] if stack_rows else True

@@ -91,7 +91,67 @@ class DecodeStack {
     return std::get<1>(add_rms_norm(x, delta, final_norm_, eps_));
   }
 
+  // A draft model's greedy guesses (gpu/draft_runner.py) in one call, the interpreter out of
+  // its loop. First the rows input_ids at positions, each a one-token query of request
+  // row_requests[i] over that request's blocks (block_table [requests, width]); then each
+  // request guess_requests[g] takes the greedy token after its row last_rows[g], and steps - 1
+  // more, each the greedy token after the one before, one position on. Returns [guesses,
+  // steps] int64.
+  torch::Tensor propose(torch::Tensor input_ids, torch::Tensor positions,
+                        const std::vector<torch::Tensor>& kv_caches, torch::Tensor block_table,
+                        torch::Tensor row_requests, torch::Tensor guess_requests,
+                        torch::Tensor last_rows, const PlannedLinear& head, int64_t steps,
+                        int64_t block_size) const {
+    TORCH_CHECK(steps > 0 && block_size > 0 && block_table.scalar_type() == torch::kInt32 &&
+                    positions.scalar_type() == torch::kInt64,
+                "propose: steps > 0, an int32 block table and int64 positions");
+    torch::Tensor out = torch::empty({last_rows.size(0), steps}, positions.options());
+    torch::Tensor hidden = one_token_rows(input_ids, positions, kv_caches,
+                                          block_table.index_select(0, row_requests), block_size);
+    torch::Tensor guess = greedy(head, hidden.index_select(0, last_rows));
+    out.select(1, 0).copy_(guess);
+    const torch::Tensor table = block_table.index_select(0, guess_requests);
+    torch::Tensor position = positions.index_select(0, last_rows);
+    for (int64_t j = 1; j < steps; ++j) {
+      position = position + 1;
+      guess = greedy(head, one_token_rows(guess, position, kv_caches, table, block_size));
+      out.select(1, j).copy_(guess);
+    }
+    return out;
+  }
+
  private:
+  // forward() over rows that are each a request of one token at its position, row i over
+  // table's row i.
+  torch::Tensor one_token_rows(const torch::Tensor& ids, const torch::Tensor& positions,
+                               const std::vector<torch::Tensor>& kv_caches,
+                               const torch::Tensor& table, int64_t block_size) const {
+    const int64_t n = ids.size(0);
+    const torch::Tensor pos = positions.contiguous(), blocks = table.contiguous();
+    torch::Tensor slots = torch::empty({n}, pos.options());
+    torch::Tensor seq_lens = torch::empty({n}, blocks.options());
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const int32_t* t = blocks.data_ptr<int32_t>();
+    int64_t* slot = slots.data_ptr<int64_t>();
+    int32_t* len = seq_lens.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(p[i] >= 0 && p[i] / block_size < blocks.size(1),
+                  "propose: a position past its request's block table");
+      const int64_t block = t[i * blocks.size(1) + p[i] / block_size];
+      slot[i] = block * block_size + p[i] % block_size;
+      len[i] = static_cast<int32_t>(p[i] + 1);
+    }
+    const torch::Tensor rows = torch::arange(n, pos.options());
+    return forward(ids, pos, kv_caches, slots, blocks, seq_lens, rows, rows);
+  }
+
+  // Each row's greedy token: the head's logits' argmax (bfloat16 logits widened exactly).
+  static torch::Tensor greedy(const PlannedLinear& head, const torch::Tensor& hidden) {
+    const torch::Tensor logits = head(hidden.contiguous());
+    return argmax_rows(logits.scalar_type() == torch::kFloat32 ? logits
+                                                                : logits.to(torch::kFloat32));
+  }
+
   // caches: the layer's key and value caches, then their scales where `scaled` (int8).
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h,
                           const torch::Tensor& positions, const torch::Tensor* caches,
@@ -132,5 +192,6 @@ void bind_decode_stack(py::module& m) {
                     int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_moe_layer", &DecodeStack::add_moe_layer)
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("propose", &DecodeStack::propose, py::call_guard<py::gil_scoped_release>());
 }

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tidal.gpu.attention import get_attention_backend
+from tidal.gpu.attention import AttentionMetadata, get_attention_backend
 from tidal.gpu.attention.paged_layout import paged_layout, random_caches
 from tidal.gpu.cpu.decode_stack import runs_on_stack
 from tidal.gpu.cpu.kernels import load_cpu_kernels
@@ -122,6 +122,57 @@ def test_the_stack_writes_the_step_keys_and_values(model_dir, dtype):
     for (k1, v1), (k2, v2), (k0, _) in zip(written["python"], written["stack"], caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         assert not torch.equal(k2, k0)  # the step's keys did land in the cache
+
+
+def _one_token_rows(ids, positions, table, caches, loaded) -> torch.Tensor:
+    """The Python model over rows that are each a request of one token (row i over
+    ``table``'s row i), as a draft's catch-up and guesses run."""
+    n = len(ids)
+    seq_lens = positions + 1
+    slots = table[torch.arange(n), positions // BLOCK].long() * BLOCK + positions % BLOCK
+    meta = AttentionMetadata(
+        num_actual_tokens=n, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=seq_lens.int(), block_table=table, slot_mapping=slots, max_query_len=1,
+        max_seq_len=int(seq_lens.max()), query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=seq_lens.tolist())
+    with torch.inference_mode():
+        return loaded.model(ids, positions, caches, meta)
+
+
+@pytest.mark.parametrize("dtype", STACK_DTYPES)
+def test_propose_is_the_python_models_greedy_loop(model_dir, dtype):
+    """``DecodeStack.propose`` (a draft's catch-up rows, then its guesses, in one call) gives
+    the guesses and writes the cache of the Python model's forwards, head and torch's argmax
+    run one after another."""
+    loaded = _load(model_dir, dtype)
+    cfg, steps = loaded.model.config, 4
+    meta = paged_layout([40, 3, 70], [1, 1, 1], BLOCK, seed=7)
+    table = torch.cat([meta.block_table, torch.arange(3 * 2, dtype=torch.int32).view(3, 2)
+                       + int(meta.block_table.max()) + 1], dim=1)  # room for the guesses
+    torch.manual_seed(7)
+    caches = [random_caches(replace(meta, block_table=table), BLOCK, cfg.num_kv_heads,
+                            cfg.head_dim, dtype) for _ in range(cfg.num_layers)]
+    row_requests = torch.tensor([0, 0, 0, 1, 2, 2])  # catch-ups of 3, 1 and 2 rows
+    positions = torch.tensor([38, 39, 40, 3, 69, 70])
+    ids = torch.randint(0, cfg.vocab_size, (6,))
+    guessing, last_rows = torch.tensor([0, 2]), torch.tensor([2, 5])  # request 1 only catches up
+    ours = [tuple(c.clone() for c in kv) for kv in caches]
+    got = loaded.cpu.stack.propose(
+        ids, positions, [c for kv in ours for c in kv], table, row_requests, guessing, last_rows,
+        loaded.model.lm_head.kernel, steps, BLOCK)
+    hidden = _one_token_rows(ids, positions, table[row_requests], caches, loaded)
+    want, pos = [], positions[last_rows]
+    while True:
+        with torch.inference_mode():
+            want.append(loaded.model.compute_logits(hidden[-len(guessing):] if want
+                                                    else hidden[last_rows]).argmax(dim=-1))
+        if len(want) == steps:  # the last guess is not run
+            break
+        pos = pos + 1
+        hidden = _one_token_rows(want[-1], pos, table[guessing], caches, loaded)
+    assert torch.equal(got, torch.stack(want, dim=1))
+    for kv, kv0 in zip(ours, caches):
+        assert all(torch.equal(c, c0) for c, c0 in zip(kv, kv0))
 
 
 def test_prefill_and_padded_steps_take_the_python_path(model_dir):

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tidal.core.config import DEFAULT_MODEL
-from tidal.gpu.draft_runner import check_compatible
+from tidal.gpu.draft_vocab import check_compatible
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.training import distill_draft
 from tidal.gpu.training.distill_draft import IGNORE, agreement, batch_of, continue_greedily

@@ -42,8 +42,9 @@ def _first_layer_draft(target: Path, out: Path) -> str:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict[str, str]:
     """An echo target (as in test_spec_decode.py: attention and MLP outputs scaled down) and
-    its drafts: itself, its first layer, and a random model of another shape on the same
-    tokenizer."""
+    its drafts: itself, its first layer, and random models of other shapes on the same
+    tokenizer (one whose heads the CPU's one-call decode step does not take, one whose it
+    does)."""
     root = tmp_path_factory.mktemp("draft")
     target = build_model_dir(root / "target", "llama")
     weights = load_file(target / "model.safetensors")
@@ -54,8 +55,11 @@ def pair(tmp_path_factory) -> dict[str, str]:
     random_draft = build_model_dir(root / "random", "llama", seed=1, hidden_size=32,
                                    num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=1)
+    one_call = build_model_dir(root / "one_call", "llama", seed=2, hidden_size=64,
+                               num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=2)  # heads the one-call step takes
     return {"target": str(target), "layer0": _first_layer_draft(target, root / "layer0"),
-            "random": str(random_draft)}
+            "random": str(random_draft), "one_call": str(one_call)}
 
 
 def _spy_on_the_drafts_cpu_forward(llm: LLM) -> list[int]:
@@ -126,6 +130,53 @@ def test_greedy_with_a_draft_gives_the_tokens_without(pair, draft):
     assert stats.num_preemptions > 0
     if draft == "target":
         assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def _record_proposals(llm: LLM) -> list[dict[str, list[int]]]:
+    """Every proposal the draft makes, step by step."""
+    drafter = llm.engine.executor.runner.drafter
+    seen: list[dict[str, list[int]]] = []
+    propose = drafter.propose
+
+    def spy(batch, step):
+        seen.append(propose(batch, step))
+        return seen[-1]
+
+    drafter.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("target", ["target", "one_call"])
+def test_proposals_in_one_call_are_the_python_loops(pair, target):
+    """On the CPU a draft's catch-up and guesses run in one call of its one-call decode step
+    (``DecodeStack.propose``): step for step the proposals must be those of the Python loop
+    over the draft's forwards, through catch-ups after rejections (a random draft's) and
+    after full acceptances (a model as its own draft's: catch-ups of k + 2 rows)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (21, 16, 25, 12)]
+    runs = []
+    for one_call in (True, False):
+        spec = speculating(LLM(pair[target], speculative_config=_spec(pair["one_call"]),
+                               device="cpu", **ARGS))
+        cpu = spec.engine.executor.runner.drafter.cpu
+        taken: list[bool] = []
+        chain = cpu.propose
+
+        def counted(*args, chain=chain, one_call=one_call, taken=taken):
+            out = chain(*args) if one_call else None
+            taken.append(out is not None)
+            return out
+
+        cpu.propose = counted
+        seen = _record_proposals(spec)
+        runs.append((_completions(spec.generate(_prompts(), params, use_tqdm=False)), seen))
+        if one_call:  # the steady steps (a verification's catch-up) all take it
+            assert sum(taken) > len(taken) / 2, taken
+        stats = spec.engine.stats()
+        if target == "one_call":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert runs[0] == runs[1]
+    assert sum(len(p) for step in runs[0][1] for p in step.values()) > 40
 
 
 @pytest.mark.gpu
