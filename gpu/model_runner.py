@@ -344,7 +344,7 @@ class ModelRunner(KVCacheSetup):
         if spec:  # each sampling request's proposals and its last token give logits
             indices, rows = spec_rows([states[i] for i in sampling],
                                       cu[1:][np.asarray(sampling, dtype=np.int64)] - 1, spec,
-                                      self.device)
+                                      self.device, views=self.batch.num_needing_metadata > 0)
             return StepInputs(input_ids_dev, to_dev(positions), meta, to_dev(indices),
                               [states[i] for i in sampling], rows)
         every_token_samples = len(sampling) == num_tokens  # then every request does, in order

@@ -24,7 +24,8 @@ class SpecRows:
     num_rows: list[int]  # per sampling request: its proposals + 1
     drafts: torch.Tensor  # [N] long: the token proposed at each row, -1 at a request's last
     # per row: the request as of that row, its proposals before the row counted as known
-    # tokens (so penalties and min_tokens see them); a view for the sampling metadata
+    # tokens (so penalties and min_tokens see them); a view for the sampling metadata, or
+    # the request's own state where no row needs metadata (``spec_rows``' ``views``)
     row_states: list[CachedRequestState]
 
 
@@ -83,10 +84,13 @@ def write_drafts(batch: InputBatch, states: list[CachedRequestState],
 
 
 def spec_rows(states: list[CachedRequestState], last_token: np.ndarray,
-              spec: dict[str, list[int]], device: torch.device | str
+              spec: dict[str, list[int]], device: torch.device | str, views: bool = True
               ) -> tuple[np.ndarray, SpecRows]:
     """The logits rows of the sampling ``states`` (``last_token``: the index of each one's
-    last token in the flattened batch), and what verifying them needs."""
+    last token in the flattened batch), and what verifying them needs. ``views``: each row
+    a view of its request counting the proposals before it, which penalties, min_tokens and
+    logprobs read; without (no row of the batch needs sampling metadata) a request's rows
+    share its state, whose ``req_id`` alone is then read."""
     indices: list[np.ndarray] = []
     num_rows: list[int] = []
     drafts: list[int] = []
@@ -99,10 +103,10 @@ def spec_rows(states: list[CachedRequestState], last_token: np.ndarray,
         drafts += proposed
         drafts.append(-1)
         row_states.append(state)
-        row_states += [dataclasses.replace(state, num_tokens=state.num_tokens + j)
-                       for j in range(1, k + 1)]
-    rows = SpecRows(num_rows, torch.tensor(drafts, dtype=torch.long, device=device),
-                    row_states)
+        row_states += ([dataclasses.replace(state, num_tokens=state.num_tokens + j)
+                        for j in range(1, k + 1)] if views else [state] * k)
+    ids = torch.from_numpy(np.asarray(drafts, dtype=np.int64))
+    rows = SpecRows(num_rows, ids if str(device) == "cpu" else ids.to(device), row_states)
     return np.concatenate(indices), rows
 
 
