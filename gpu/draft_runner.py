@@ -185,9 +185,10 @@ class DraftRunner:
         step (``CpuBackend.propose``), [sampling requests, k], where it takes them: the
         rows in one forward, no request's more than a verification's catch-up (k + 2),
         every guess within the model's length; else None."""
+        if self.cpu is None or not sampling:  # on a GPU: nothing to build
+            return None
         lens = np.array([len(p) for p in rows.positions], dtype=np.int64)
-        if (self.cpu is None or not sampling or lens.max() > self.k + 2
-                or lens.sum() > self.max_rows
+        if (lens.max() > self.k + 2 or lens.sum() > self.max_rows
                 or max(ends[i] for i in sampling) + self.k - 2 >= self.max_model_len):
             return None
         where = {i: j for j, i in enumerate(rows.index)}
